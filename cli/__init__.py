@@ -1,0 +1,1 @@
+"""The `d3d` command line."""

@@ -1,0 +1,1 @@
+"""Publishing a drafter folder to the Hugging Face Hub with its remote code and model card."""

@@ -1,0 +1,1 @@
+"""The Gradio Space that shows D3D decoding live beside the target alone."""

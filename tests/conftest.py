@@ -1,0 +1,61 @@
+"""Tiny Qwen3 targets and D3D drafters built from configs (no downloads)."""
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+from modeling_d3d import D3DForBlockDiffusion
+
+
+def tiny_qwen3_config(vocab_size: int = 96, layers: int = 2, attn: str = "sdpa", **overrides) -> Qwen3Config:
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=512,
+        eos_token_id=None,
+        **overrides,
+    )
+    config._attn_implementation = attn
+    return config
+
+
+def tiny_target(seed: int = 0, **config_kwargs) -> Qwen3ForCausalLM:
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(tiny_qwen3_config(**config_kwargs)).eval()
+
+
+def tiny_drafter(seed: int = 1, block_size: int = 4, **config_kwargs) -> D3DForBlockDiffusion:
+    return D3DForBlockDiffusion.from_backbone(tiny_target(seed, **config_kwargs), block_size=block_size).eval()
+
+
+def word_tokenizer(num_words: int = 90, words: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
+    """Word-level tokenizer: ids 0..num_words-1 are words `w0`.. (the last ones replaced by `words`), then `<eos>` and
+    `<pad>` as special tokens."""
+    names = [f"w{i}" for i in range(num_words - len(words))] + list(words)
+    vocab = {name: i for i, name in enumerate(names)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>")
+
+
+@pytest.fixture
+def drafter() -> D3DForBlockDiffusion:
+    return tiny_drafter()
+
+
+def always_predicts(model: torch.nn.Module, token: int) -> torch.nn.Module:
+    """Give `model` an output head whose argmax is `token` whatever the input (a biased, zero-weight head)."""
+    vocab_size, hidden_size = model.lm_head.weight.shape
+    head = torch.nn.Linear(hidden_size, vocab_size, bias=True)
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.zero_()
+        head.bias[token] = 10.0
+    model.lm_head = head
+    return model

@@ -1,0 +1,77 @@
+"""What each position may see, read off the mask itself (no model involved)."""
+
+import torch
+
+from conftest import tiny_qwen3_config
+from modeling_d3d.masking_d3d import CAUSAL_BLOCK_ID, block_layout, create_block_diffusion_mask
+
+
+def visibility(num_causal, starts, block_size, past_length=0, attn="sdpa") -> torch.Tensor:
+    """Boolean `(q_length, past + q_length)` matrix: may query q attend to key kv."""
+    block_ids, visible_prefix, _ = block_layout(num_causal, torch.tensor([starts]), block_size, past_length)
+    embeds = torch.zeros(1, block_ids.shape[1], 8)
+    mask = create_block_diffusion_mask(tiny_qwen3_config(attn=attn), embeds, block_ids, visible_prefix, past_length)
+    return mask[0, 0] if mask.dtype == torch.bool else mask[0, 0] == 0
+
+
+def expected_visibility(num_causal, starts, block_size, past_length=0) -> torch.Tensor:
+    """The rule written out position by position, independently of the mask function."""
+    roles = [("causal", None)] * (past_length + num_causal)
+    for k, start in enumerate(starts):
+        roles += [("block", (k, start))] * block_size
+    total = len(roles)
+    rows = []
+    for q in range(past_length, total):
+        row = []
+        for kv in range(total):
+            q_role, q_info = roles[q]
+            kv_role, kv_info = roles[kv]
+            if q_role == "causal":
+                row.append(kv_role == "causal" and kv <= q)
+            else:
+                own_block = kv_role == "block" and kv_info[0] == q_info[0]
+                row.append(own_block or (kv_role == "causal" and kv < q_info[1]))
+        rows.append(row)
+    return torch.tensor(rows)
+
+
+def test_packed_training_mask_matches_the_written_rule():
+    got = visibility(num_causal=10, starts=[2, 5, 9], block_size=4)
+    assert torch.equal(got, expected_visibility(10, [2, 5, 9], 4))
+
+
+def test_each_block_sees_its_prefix_and_itself_only():
+    got = visibility(num_causal=10, starts=[2, 5, 9], block_size=4)
+    block1 = slice(10 + 4, 10 + 8)
+    assert got[block1, :5].all()  # p, r_<s_k
+    assert not got[block1, 5:10].any()  # r_>=s_k
+    assert got[block1, block1].all()  # bidirectional inside the block
+    assert not got[block1, 10:14].any() and not got[block1, 18:].any()  # other blocks
+
+
+def test_causal_part_never_sees_blocks_or_the_future():
+    got = visibility(num_causal=10, starts=[2, 5, 9], block_size=4)
+    assert torch.equal(got[:10, :10], torch.ones(10, 10, dtype=torch.bool).tril())
+    assert not got[:10, 10:].any()
+
+
+def test_drafting_mask_over_a_cache_matches_the_written_rule():
+    got = visibility(num_causal=3, starts=[9], block_size=5, past_length=6)
+    assert torch.equal(got, expected_visibility(3, [9], 5, past_length=6))
+    assert got[3:].all()  # the block sees all 6 cached + 3 new causal tokens and itself
+
+
+def test_eager_mask_is_additive_with_the_same_pattern():
+    block_ids, visible_prefix, _ = block_layout(6, torch.tensor([[1, 4]]), 3)
+    embeds = torch.zeros(1, block_ids.shape[1], 8)
+    eager = create_block_diffusion_mask(tiny_qwen3_config(attn="eager"), embeds, block_ids, visible_prefix)
+    assert eager.dtype == torch.float32
+    assert set(eager.unique().tolist()) == {0.0, torch.finfo(torch.float32).min}
+    assert torch.equal(eager[0, 0] == 0, expected_visibility(6, [1, 4], 3))
+
+
+def test_layout_positions_continue_from_each_anchor():
+    block_ids, visible_prefix, position_ids = block_layout(4, torch.tensor([[1, 3]]), 3, past_length=2)
+    assert position_ids.tolist() == [[2, 3, 4, 5, 1, 2, 3, 3, 4, 5]]
+    assert block_ids.tolist() == [[CAUSAL_BLOCK_ID] * 4 + [0, 0, 0, 1, 1, 1]]
+    assert visible_prefix[0, 4:].tolist() == [1, 1, 1, 3, 3, 3]

@@ -1,0 +1,78 @@
+"""A saved drafter loads with `trust_remote_code` alone, in a fresh process where this project cannot be imported."""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+
+from conftest import tiny_drafter
+
+FRESH_PROCESS = textwrap.dedent(
+    """
+    import importlib.abc, sys
+
+    class RefuseProject(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in {"modeling_d3d", "trainer", "hub_upload", "space_app", "cli"}:
+                raise ModuleNotFoundError(f"{name} is hidden in this test")
+            return None
+
+    sys.meta_path.insert(0, RefuseProject())
+    try:
+        import modeling_d3d
+        raise SystemExit("the project was importable")
+    except ModuleNotFoundError:
+        pass
+
+    import torch
+    from transformers import AutoConfig, AutoModel
+
+    folder = sys.argv[1]
+    assert AutoConfig.from_pretrained(folder, trust_remote_code=True).model_type == "d3d"
+    model = AutoModel.from_pretrained(folder, trust_remote_code=True).eval()
+    reference = torch.load(f"{folder}/reference.pt")
+    ids = reference["ids"]
+    torch.testing.assert_close(model(ids).logits, reference["causal"], atol=1e-6, rtol=0)
+    torch.testing.assert_close(model.draft_block(ids).logits, reference["draft"], atol=1e-6, rtol=0)
+    print("loaded", type(model).__module__)
+    """
+)
+
+
+def test_save_pretrained_writes_remote_code_that_loads_in_a_fresh_process(tmp_path: Path):
+    drafter = tiny_drafter(seed=4, block_size=5)
+    drafter.save_pretrained(tmp_path)
+    config = (tmp_path / "config.json").read_text()
+    assert '"AutoModel": "modeling_d3d.D3DForBlockDiffusion"' in config
+    assert '"AutoConfig": "configuration_d3d.D3DConfig"' in config
+    for name in ("configuration_d3d.py", "modeling_d3d.py", "masking_d3d.py", "speculative_d3d.py"):
+        assert (tmp_path / name).is_file(), name
+    ids = torch.randint(0, 90, (1, 11))
+    with torch.no_grad():
+        reference = {"ids": ids, "causal": drafter(ids).logits, "draft": drafter.draft_block(ids).logits}
+    torch.save(reference, tmp_path / "reference.pt")
+
+    result = subprocess.run(
+        [sys.executable, "-c", FRESH_PROCESS, str(tmp_path)],
+        cwd=tmp_path.parent,
+        env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HOME": str(tmp_path.parent)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "loaded transformers_modules." in result.stdout
+
+
+def test_code_files_import_only_torch_transformers_and_each_other():
+    folder = Path(__file__).parents[1] / "modeling_d3d"
+    allowed = {"torch", "transformers", "dataclasses", "collections", "typing", "threading",
+               "time", "math", "queue", "concurrent", "contextlib", "__future__"}
+    for path in folder.glob("*.py"):
+        for line in path.read_text().splitlines():
+            words = line.split()
+            if len(words) >= 2 and words[0] in ("import", "from") and not line.startswith(" "):
+                module = words[1]
+                assert module.startswith(".") or module.split(".")[0] in allowed, f"{path.name}: {line}"

@@ -1,0 +1,203 @@
+"""Greedy speculative decoding through `target.generate(..., assistant_model=drafter)`: token-identical output,
+exact statistics, edge cases and bad input."""
+
+import itertools
+
+import pytest
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from conftest import always_predicts, tiny_target, word_tokenizer
+from modeling_d3d import D3DForBlockDiffusion
+
+
+def pair(target_seed: int, drafter_seed: int, block_size: int, vocab_size: int = 96, **kwargs):
+    target = tiny_target(target_seed, vocab_size=vocab_size, **kwargs)
+    drafter = D3DForBlockDiffusion.from_backbone(tiny_target(drafter_seed, vocab_size=vocab_size), block_size=block_size)
+    return target, drafter.eval()
+
+
+def greedy_both(target, drafter, prompt, max_new_tokens, **kwargs):
+    reference = target.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
+    speculative = target.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=drafter, **kwargs)
+    return reference, speculative
+
+
+PAIRS = [
+    dict(target_seed=0, drafter_seed=0, block_size=4, vocab_size=6),  # small vocabulary: frequent partial acceptance
+    dict(target_seed=1, drafter_seed=2, block_size=16, vocab_size=8),
+    dict(target_seed=3, drafter_seed=4, block_size=2, vocab_size=96),
+    dict(target_seed=5, drafter_seed=5, block_size=7, vocab_size=12),
+]
+
+
+def test_greedy_output_is_token_identical_on_many_prompts():
+    generator = torch.Generator().manual_seed(0)
+    accepted = []
+    compared = 0
+    for spec in PAIRS:
+        target, drafter = pair(**spec)
+        block = spec["block_size"]
+        for prompt_length, max_new in itertools.product([1, block - 1, block, block + 1, 3 * block + 2], [1, 3, 17, 40]):
+            prompt = torch.randint(0, spec["vocab_size"], (1, max(prompt_length, 1)), generator=generator)
+            reference, speculative = greedy_both(target, drafter, prompt, max_new)
+            assert torch.equal(reference, speculative), (spec, prompt_length, max_new)
+            compared += 1
+            if max_new == 1:  # one token: the target alone produces it, the drafter is never asked
+                continue
+            stats = drafter.generation_stats.settle(speculative)
+            assert stats.new_tokens == speculative.shape[1] - prompt.shape[1]
+            assert all(1 <= n <= block for n in stats.accepted_lengths)
+            accepted += stats.accepted_lengths
+    assert compared >= 50
+    assert max(accepted) >= 3 and min(accepted) == 1  # both full rejections and multi-token acceptances happened
+
+
+def test_eos_inside_a_block_stops_exactly_where_the_target_stops():
+    eos = 2
+    stopped_early = 0
+    for seed in range(6):
+        target, drafter = pair(seed, seed, block_size=5, vocab_size=6)
+        for prompt_seed in range(4):
+            prompt = torch.randint(0, 6, (1, 3 + prompt_seed), generator=torch.Generator().manual_seed(prompt_seed))
+            reference, speculative = greedy_both(target, drafter, prompt, 30, eos_token_id=eos, pad_token_id=eos)
+            assert torch.equal(reference, speculative)
+            stopped_early += int(reference.shape[1] < prompt.shape[1] + 30)
+    assert stopped_early > 0
+
+
+def test_tau_is_block_size_when_drafter_always_agrees():
+    target, drafter = pair(0, 1, block_size=4)
+    always_predicts(target, 7)
+    always_predicts(drafter, 7)
+    prompt = torch.tensor([[1, 2, 3]])
+    reference, speculative = greedy_both(target, drafter, prompt, 4 * 5)
+    assert torch.equal(reference, speculative)
+    stats = drafter.generation_stats.settle(speculative)
+    assert stats.accepted_lengths == [4] * 5
+    assert stats.tau == 4.0 == 1 + (stats.new_tokens - stats.rounds) / stats.rounds
+    assert stats.histogram(4) == [0, 0, 0, 5]
+
+
+def test_tau_is_one_when_drafter_is_always_wrong():
+    target, drafter = pair(0, 1, block_size=6)
+    always_predicts(target, 7)
+    always_predicts(drafter, 8)
+    prompt = torch.tensor([[5, 6]])
+    reference, speculative = greedy_both(target, drafter, prompt, 9)
+    assert torch.equal(reference, speculative)
+    stats = drafter.generation_stats.settle(speculative)
+    assert stats.accepted_lengths == [1] * 9 and stats.tau == 1.0
+    assert stats.histogram(6) == [9, 0, 0, 0, 0, 0]
+    assert len(stats.rounds_drafted) == 8 and stats.undrafted_rounds == 1  # the last token needs no draft
+    assert all(r.verify_seconds > 0 for r in stats.rounds_drafted) and stats.draft_seconds > 0
+
+
+def test_statistics_before_settle_cover_the_rounds_already_decided():
+    target, drafter = pair(0, 1, block_size=4)
+    always_predicts(target, 7)
+    always_predicts(drafter, 7)
+    speculative = target.generate(torch.tensor([[1]]), max_new_tokens=12, do_sample=False, assistant_model=drafter)
+    stats = drafter.generation_stats
+    assert stats.rounds == 2 and stats.accepted_lengths == [4, 4]
+    assert stats.settle(speculative).rounds == 3
+
+
+class RecordingStreamer(BaseStreamer):
+    def __init__(self):
+        self.chunks: list[list[int]] = []
+        self.ended = False
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamer_receives_each_round_as_it_completes():
+    target, drafter = pair(0, 0, block_size=4, vocab_size=6)
+    prompt = torch.tensor([[1, 2, 3, 4, 5]])
+    streamer = RecordingStreamer()
+    speculative = target.generate(prompt, max_new_tokens=25, do_sample=False, assistant_model=drafter, streamer=streamer)
+    stats = drafter.generation_stats.settle(speculative)
+    assert streamer.ended and streamer.chunks[0] == prompt[0].tolist()
+    assert [len(chunk) for chunk in streamer.chunks[1:]] == stats.accepted_lengths
+    assert sum(streamer.chunks[1:], []) == speculative[0, prompt.shape[1] :].tolist()
+
+
+def test_repeated_calls_on_one_drafter_leak_no_state():
+    target, drafter = pair(1, 2, block_size=16, vocab_size=8)
+    prompts = [torch.tensor([[1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 1, 2]]), torch.tensor([[3]]), torch.tensor([[4, 4]])]
+    first = [target.generate(p, max_new_tokens=20, do_sample=False, assistant_model=drafter) for p in prompts]
+    first_stats = drafter.generation_stats.settle(first[-1])
+    again = [target.generate(p, max_new_tokens=20, do_sample=False, assistant_model=drafter) for p in reversed(prompts)]
+    for prompt, out_first, out_again in zip(prompts, first, reversed(again)):
+        assert torch.equal(out_first, out_again)
+        assert torch.equal(out_first, target.generate(prompt, max_new_tokens=20, do_sample=False))
+    assert drafter.generation_stats is not first_stats and len(drafter.generation_stats.prompt) == 17
+    with pytest.raises(ValueError, match="another generate call"):
+        drafter.generation_stats.settle(first[1])
+
+
+def test_drafter_in_another_dtype_gives_identical_output():
+    target, drafter = pair(0, 0, block_size=4, vocab_size=6)
+    drafter = drafter.to(torch.bfloat16)
+    for length in (2, 9):
+        prompt = torch.randint(0, 6, (1, length), generator=torch.Generator().manual_seed(length))
+        reference, speculative = greedy_both(target, drafter, prompt, 30)
+        assert torch.equal(reference, speculative)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU for a second device")
+def test_drafter_on_another_device_gives_identical_output():
+    target, drafter = pair(0, 0, block_size=4, vocab_size=6)
+    drafter = drafter.to("cuda")
+    prompt = torch.randint(0, 6, (1, 7), generator=torch.Generator().manual_seed(0))
+    reference, speculative = greedy_both(target, drafter, prompt, 30)
+    assert torch.equal(reference, speculative)
+
+
+def test_batch_larger_than_one_is_refused():
+    target, drafter = pair(0, 0, block_size=4)
+    with pytest.raises(ValueError, match="batch_size = 1"):
+        target.generate(torch.ones(2, 3, dtype=torch.long), max_new_tokens=5, assistant_model=drafter)
+
+
+def test_vocabulary_size_mismatch_is_refused():
+    target = tiny_target(0, vocab_size=96)
+    drafter = D3DForBlockDiffusion.from_backbone(tiny_target(0, vocab_size=120), block_size=4)
+    with pytest.raises(ValueError, match="Drafter vocabulary size 120 differs from the target's 96"):
+        drafter.check_compatibility(target)
+    with pytest.raises(ValueError, match="different tokenizers"):
+        target.generate(torch.ones(1, 3, dtype=torch.long), max_new_tokens=5, assistant_model=drafter)
+
+
+def test_tokenizer_mismatch_is_refused():
+    target, drafter = pair(0, 0, block_size=4)
+    drafter.check_compatibility(target, word_tokenizer(), word_tokenizer())
+    with pytest.raises(ValueError, match="tokenizer differs"):
+        drafter.check_compatibility(target, word_tokenizer(), word_tokenizer(words=("other",)))
+
+
+def test_mask_token_that_is_special_for_the_target_tokenizer_is_refused():
+    target, drafter = pair(0, 0, block_size=4)
+    drafter.config.mask_token_id = 90
+    with pytest.raises(ValueError, match="mask_token_id 90 .* special"):
+        drafter.check_compatibility(target, word_tokenizer())
+
+
+def test_drafter_without_mask_token_is_refused():
+    target, drafter = pair(0, 0, block_size=4)
+    drafter.config.mask_token_id = None
+    with pytest.raises(ValueError, match="no mask_token_id"):
+        drafter.check_compatibility(target)
+    with pytest.raises(ValueError, match="no mask_token_id"):
+        target.generate(torch.ones(1, 3, dtype=torch.long), max_new_tokens=5, assistant_model=drafter)
+
+
+def test_trained_drafter_generation_config_is_set_for_assisted_generation():
+    _, drafter = pair(0, 0, block_size=9)
+    assert drafter.generation_config.num_assistant_tokens == 8
+    assert drafter.generation_config.num_assistant_tokens_schedule == "constant"
+    assert drafter.generation_config.assistant_confidence_threshold == 0.0
