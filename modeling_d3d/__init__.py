@@ -1,7 +1,8 @@
 """D3D drafter model code. Flat files with relative imports only: the folder ships to the Hub as remote code."""
 
+from .async_d3d import D3DAssistedGenerator
 from .configuration_d3d import D3DConfig
 from .modeling_d3d import D3DBlockDraft, D3DForBlockDiffusion, D3DPackedOutput, choose_mask_token_id
 from .speculative_d3d import SpeculativeStats
 
-__all__ = ["D3DBlockDraft", "D3DConfig", "D3DForBlockDiffusion", "D3DPackedOutput", "SpeculativeStats", "choose_mask_token_id"]
+__all__ = ["D3DAssistedGenerator", "D3DBlockDraft", "D3DConfig", "D3DForBlockDiffusion", "D3DPackedOutput", "SpeculativeStats", "choose_mask_token_id"]

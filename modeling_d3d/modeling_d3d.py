@@ -11,6 +11,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3Model
 from transformers.utils import ModelOutput, logging
 
+from .async_d3d import D3DAssistedGenerator
 from .configuration_d3d import D3DConfig
 from .masking_d3d import block_layout, create_block_diffusion_mask
 from .speculative_d3d import (
@@ -21,6 +22,20 @@ from .speculative_d3d import (
 )
 
 logger = logging.get_logger(__name__)
+
+
+@dataclass
+class SuccessorBranch:
+    """A block prepared for one possible verification outcome.
+
+    key: the tokens the verified prefix must add after the current prefix for this branch to apply (accepted drafts
+        then the target's token); tokens `(1, m)` and logits `(1, m, vocab)`: the branch's draft and its processed
+        logits (q = softmax), exactly what `draft_block` returns for `prefix + key`.
+    """
+
+    key: tuple[int, ...]
+    tokens: torch.LongTensor
+    logits: torch.FloatTensor
 
 
 @dataclass
@@ -141,6 +156,12 @@ class D3DForBlockDiffusion(D3DPreTrainedModel, GenerationMixin):
             hidden_states=outputs.hidden_states,
         )
 
+    def async_generator(
+        self, device: torch.device | str | None = None, coverage: int = 12, fanout: int = 2
+    ) -> D3DAssistedGenerator:
+        """An asynchronous drafter for `target.generate(..., assistant_model=...)` (see `async_d3d`)."""
+        return D3DAssistedGenerator(self, device=device, coverage=coverage, fanout=fanout)
+
     def check_compatibility(self, target: PreTrainedModel, target_tokenizer=None, drafter_tokenizer=None) -> None:
         """Raise `ValueError` unless this drafter can draft for `target` (see `speculative_d3d.check_compatibility`)."""
         check_compatibility(self, target, target_tokenizer, drafter_tokenizer)
@@ -195,6 +216,7 @@ class D3DForBlockDiffusion(D3DPreTrainedModel, GenerationMixin):
         past_key_values: DynamicCache | None = None,
         logits_processor: LogitsProcessorList | None = None,
         do_sample: bool = False,
+        generator: torch.Generator | None = None,
     ) -> D3DBlockDraft:
         """Propose the `block_size - 1` tokens after `input_ids` in one forward pass.
 
@@ -225,14 +247,81 @@ class D3DForBlockDiffusion(D3DPreTrainedModel, GenerationMixin):
             logits_to_keep=block_size - 1,
         ).logits.float()
         cache.crop(-block_size)
-        if logits_processor:
-            logits = torch.stack([logits_processor(input_ids, logits[:, j]) for j in range(block_size - 1)], dim=1)
-        if do_sample:
-            probs = logits.softmax(dim=-1)
-            tokens = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1).reshape(batch, block_size - 1)
-        else:
-            tokens = logits.argmax(dim=-1)
+        tokens, logits = propose(logits, input_ids, logits_processor, do_sample, generator)
         return D3DBlockDraft(tokens=tokens, logits=logits, past_key_values=cache)
+
+    @torch.no_grad()
+    def draft_successors(
+        self,
+        input_ids: torch.LongTensor,
+        draft_tokens: torch.LongTensor,
+        draft_logits: torch.FloatTensor,
+        past_key_values: DynamicCache,
+        coverage: int = 12,
+        fanout: int = 2,
+        logits_processor: LogitsProcessorList | None = None,
+        do_sample: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> list[SuccessorBranch]:
+        """Prepare, in ONE forward pass, the next block for each likely outcome of verifying `draft_tokens`.
+
+        input_ids: `(1, L)` the prefix the draft was made from (last token = its anchor); draft_tokens `(1, m)` and
+        draft_logits `(1, m, vocab)` (processed) the block under verification. Branches: for each of the first
+        `coverage - 1` rejection positions j, the `fanout` most probable drafter tokens at j other than the proposed
+        one, each as the anchor after the j accepted drafts; and the full-acceptance branch, anchored on the last
+        draft, whose first prediction guesses the target's bonus token (key: all drafts + that guess, draft: the
+        rest). `past_key_values` must hold a prefix of `input_ids[:, :-1]`; on return it holds `input_ids` and the
+        drafts (callers crop what verification rejects). Budget: `block_size * ((coverage - 1) * fanout + 2)`.
+        """
+        block_size = self.config.block_size
+        if not 1 <= coverage <= block_size or fanout < 0:
+            raise ValueError(f"coverage must be in 1..{block_size} and fanout >= 0, got coverage={coverage}, fanout={fanout}")
+        length, drafted = input_ids.shape[1], draft_tokens.shape[1]
+        cached = past_key_values.get_seq_length()
+        if cached > length - 1:
+            raise ValueError(f"The drafter cache holds {cached} tokens but the prefix before the anchor has only {length - 1}")
+        device = self.model.embed_tokens.weight.device
+        input_ids, draft_tokens, draft_logits = input_ids.to(device), draft_tokens.to(device), draft_logits.to(device)
+
+        rejection_positions = range(min(coverage - 1, drafted))
+        ranked = draft_logits[0].topk(min(fanout + 1, draft_logits.shape[-1]), dim=-1).indices
+        keys, anchors, starts = [], [], []
+        for j in rejection_positions:
+            alternatives = [t for t in ranked[j].tolist() if t != draft_tokens[0, j].item()][:fanout]
+            for token in alternatives:
+                keys.append(tuple(draft_tokens[0, :j].tolist()) + (token,))
+                anchors.append(token)
+                starts.append(length + j)
+        anchors.append(draft_tokens[0, -1].item())
+        starts.append(length + drafted - 1)
+
+        causal = torch.cat([input_ids[:, cached:], draft_tokens], dim=1)
+        block_ids, visible_prefix, position_ids = block_layout(
+            causal.shape[1], torch.tensor([starts], device=device), block_size, cached
+        )
+        blocks = self.mask_blocks(torch.tensor([anchors], device=device))
+        logits = self(
+            input_ids=torch.cat([causal, blocks], dim=1),
+            position_ids=position_ids,
+            block_ids=block_ids,
+            visible_prefix=visible_prefix,
+            past_key_values=past_key_values,
+            use_cache=True,
+            logits_to_keep=blocks.shape[1],
+        ).logits.float()
+        past_key_values.crop(-blocks.shape[1])
+        logits = logits.reshape(len(anchors), block_size, -1)[:, 1:]
+
+        full_prefix = torch.cat([input_ids, draft_tokens], dim=1)
+        branches = []
+        for index, key in enumerate(keys):
+            prefix = torch.cat([full_prefix[:, : length + len(key) - 1], torch.tensor([[key[-1]]], device=device)], dim=1)
+            tokens, processed = propose(logits[index : index + 1], prefix, logits_processor, do_sample, generator)
+            branches.append(SuccessorBranch(key, tokens, processed))
+        tokens, processed = propose(logits[-1:], full_prefix, logits_processor, do_sample, generator)
+        full_key = tuple(draft_tokens[0].tolist()) + (tokens[0, 0].item(),)
+        branches.append(SuccessorBranch(full_key, tokens[:, 1:], processed[:, 1:]))
+        return branches
 
     @classmethod
     def from_backbone(
@@ -276,6 +365,28 @@ class D3DForBlockDiffusion(D3DPreTrainedModel, GenerationMixin):
         return drafter
 
 
+def propose(
+    logits: torch.Tensor,
+    prefix_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList | None,
+    do_sample: bool,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.LongTensor, torch.FloatTensor]:
+    """Turn raw block logits into proposals: apply the target's processors (with the prefix as context), then take
+    the argmax or sample. logits: `(batch, n, vocab)` float32; prefix_ids: `(batch, L)`.
+    Returns tokens `(batch, n)` and processed logits `(batch, n, vocab)`, whose softmax is q."""
+    batch, positions, vocab = logits.shape
+    if logits_processor:
+        flat_prefix = prefix_ids.repeat_interleave(positions, dim=0)
+        logits = logits_processor(flat_prefix, logits.reshape(batch * positions, vocab)).reshape(batch, positions, vocab)
+    if do_sample:
+        probs = logits.softmax(dim=-1).reshape(-1, vocab)
+        tokens = torch.multinomial(probs, 1, generator=generator).reshape(batch, positions)
+    else:
+        tokens = logits.argmax(dim=-1)
+    return tokens, logits
+
+
 def _config_kwargs(from_pretrained_kwargs: dict) -> dict:
     return {k: v for k, v in from_pretrained_kwargs.items() if k in ("revision", "token", "cache_dir", "local_files_only", "trust_remote_code")}
 
@@ -307,4 +418,4 @@ def choose_mask_token_id(vocab_size: int, tokenizer=None) -> int:
 D3DConfig.register_for_auto_class()
 D3DForBlockDiffusion.register_for_auto_class("AutoModel")
 
-__all__ = ["D3DBlockDraft", "D3DForBlockDiffusion", "D3DPackedOutput", "D3DPreTrainedModel", "choose_mask_token_id"]
+__all__ = ["SuccessorBranch", "D3DBlockDraft", "D3DForBlockDiffusion", "D3DPackedOutput", "D3DPreTrainedModel", "choose_mask_token_id"]

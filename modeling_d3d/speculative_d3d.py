@@ -32,6 +32,9 @@ class DraftRound:
     draft_seconds: float
     added: list[int] | None = None
     verify_seconds: float | None = None
+    looked_up: bool = False
+    from_cache: bool = False
+    hidden_seconds: float = 0.0
 
 
 @dataclass
@@ -44,6 +47,7 @@ class SpeculativeStats:
     """
 
     prompt: list[int]
+    budget_tokens: int | None = None
     rounds_drafted: list[DraftRound] = field(default_factory=list)
     undrafted_rounds: int = 0
     settled: bool = False
@@ -56,8 +60,10 @@ class SpeculativeStats:
             previous.added = input_ids[0, previous.prefix_length :].tolist()
             previous.verify_seconds = time.perf_counter() - self._last_draft_end
 
-    def record_draft(self, prefix_length: int, drafted: torch.Tensor, seconds: float) -> None:
-        self.rounds_drafted.append(DraftRound(prefix_length, drafted.reshape(-1).tolist(), seconds))
+    def record_draft(self, prefix_length: int, drafted: torch.Tensor, seconds: float, **asynchronous) -> None:
+        """Record a round's draft; `seconds` is the drafting time the target waited for. `asynchronous`: the
+        `DraftRound` fields `looked_up`, `from_cache` and `hidden_seconds` of the asynchronous generator."""
+        self.rounds_drafted.append(DraftRound(prefix_length, drafted.reshape(-1).tolist(), seconds, **asynchronous))
         self._last_draft_end = time.perf_counter()
 
     def settle(self, sequences: torch.Tensor) -> "SpeculativeStats":
@@ -107,7 +113,24 @@ class SpeculativeStats:
 
     @property
     def draft_seconds(self) -> float:
+        """Drafting time the target waited for (exposed)."""
         return sum(r.draft_seconds for r in self.rounds_drafted)
+
+    @property
+    def hidden_draft_seconds(self) -> float:
+        """Drafting time that ran while the target verified (asynchronous generator only)."""
+        return sum(r.hidden_seconds for r in self.rounds_drafted)
+
+    @property
+    def cache_hits(self) -> int:
+        """Rounds served from a prepared branch, with no drafting pass."""
+        return sum(r.from_cache for r in self.rounds_drafted)
+
+    @property
+    def hit_rate(self) -> float:
+        """Cache hits over the rounds that had prepared branches to look up."""
+        lookups = sum(r.looked_up for r in self.rounds_drafted)
+        return self.cache_hits / lookups if lookups else float("nan")
 
     @property
     def verify_seconds(self) -> float:
