@@ -19,6 +19,9 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .speculative_d3d import SpeculativeStats
 
+DEFAULT_COVERAGE = 12
+DEFAULT_FANOUT = 2
+
 
 class _Session:
     """The state of one `generate` call: the drafter cache (on the worker), the prepared branches, statistics.
@@ -62,12 +65,20 @@ class D3DAssistedGenerator:
 
     drafter: a `D3DForBlockDiffusion`; device: where it drafts (e.g. `"cuda:1"` with the target on `cuda:0`);
     `None` keeps it where it is. coverage `C` and fanout `F`: successor branches for the first `C - 1` rejection
-    positions times `F` alternative anchors, plus the full-acceptance branch (budget `B((C - 1)F + 2)` tokens).
+    positions times `F` alternative anchors, plus the full-acceptance branch (budget `B((C - 1)F + 2)` tokens);
+    defaults C = min(12, B), F = 2 (the paper's).
     Use it as a context manager, or call `close()`, to stop the worker thread. One `generate` call at a time.
     """
 
-    def __init__(self, drafter, device: torch.device | str | None = None, coverage: int = 12, fanout: int = 2):
+    def __init__(
+        self,
+        drafter,
+        device: torch.device | str | None = None,
+        coverage: int | None = None,
+        fanout: int = DEFAULT_FANOUT,
+    ):
         block_size = drafter.config.block_size
+        coverage = min(DEFAULT_COVERAGE, block_size) if coverage is None else coverage
         if not 1 <= coverage <= block_size or fanout < 0:
             raise ValueError(f"coverage must be in 1..{block_size} and fanout >= 0, got coverage={coverage}, fanout={fanout}")
         self.drafter = drafter.to(device) if device is not None else drafter
@@ -182,4 +193,4 @@ class D3DAssistedGenerator:
         self.close()
 
 
-__all__ = ["D3DAssistedGenerator"]
+__all__ = ["DEFAULT_COVERAGE", "DEFAULT_FANOUT", "D3DAssistedGenerator"]

@@ -11,7 +11,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3Model
 from transformers.utils import ModelOutput, logging
 
-from .async_d3d import D3DAssistedGenerator
+from .async_d3d import DEFAULT_FANOUT, D3DAssistedGenerator
 from .configuration_d3d import D3DConfig
 from .masking_d3d import block_layout, create_block_diffusion_mask
 from .speculative_d3d import (
@@ -157,7 +157,7 @@ class D3DForBlockDiffusion(D3DPreTrainedModel, GenerationMixin):
         )
 
     def async_generator(
-        self, device: torch.device | str | None = None, coverage: int = 12, fanout: int = 2
+        self, device: torch.device | str | None = None, coverage: int | None = None, fanout: int = DEFAULT_FANOUT
     ) -> D3DAssistedGenerator:
         """An asynchronous drafter for `target.generate(..., assistant_model=...)` (see `async_d3d`)."""
         return D3DAssistedGenerator(self, device=device, coverage=coverage, fanout=fanout)
@@ -257,8 +257,8 @@ class D3DForBlockDiffusion(D3DPreTrainedModel, GenerationMixin):
         draft_tokens: torch.LongTensor,
         draft_logits: torch.FloatTensor,
         past_key_values: DynamicCache,
-        coverage: int = 12,
-        fanout: int = 2,
+        coverage: int,
+        fanout: int,
         logits_processor: LogitsProcessorList | None = None,
         do_sample: bool = False,
         generator: torch.Generator | None = None,

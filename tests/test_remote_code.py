@@ -36,6 +36,16 @@ FRESH_PROCESS = textwrap.dedent(
     ids = reference["ids"]
     torch.testing.assert_close(model(ids).logits, reference["causal"], atol=1e-6, rtol=0)
     torch.testing.assert_close(model.draft_block(ids).logits, reference["draft"], atol=1e-6, rtol=0)
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    target = Qwen3ForCausalLM(Qwen3Config(vocab_size=model.config.vocab_size, hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                          head_dim=8)).eval()
+    plain = target.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=model), plain)
+    with model.async_generator() as generator:
+        assert torch.equal(target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=generator), plain)
     print("loaded", type(model).__module__)
     """
 )
@@ -47,7 +57,7 @@ def test_save_pretrained_writes_remote_code_that_loads_in_a_fresh_process(tmp_pa
     config = (tmp_path / "config.json").read_text()
     assert '"AutoModel": "modeling_d3d.D3DForBlockDiffusion"' in config
     assert '"AutoConfig": "configuration_d3d.D3DConfig"' in config
-    for name in ("configuration_d3d.py", "modeling_d3d.py", "masking_d3d.py", "speculative_d3d.py"):
+    for name in ("configuration_d3d.py", "modeling_d3d.py", "masking_d3d.py", "speculative_d3d.py", "async_d3d.py"):
         assert (tmp_path / name).is_file(), name
     ids = torch.randint(0, 90, (1, 11))
     with torch.no_grad():
