@@ -121,12 +121,16 @@ class D3DForBlockDiffusion(D3DPreTrainedModel, GenerationMixin):
         logits_to_keep: int = 0,
         block_ids: torch.LongTensor | None = None,
         visible_prefix: torch.LongTensor | None = None,
+        anchors: torch.LongTensor | None = None,
         **kwargs,
-    ) -> CausalLMOutputWithPast:
-        """Causal LM forward; with `block_ids`/`visible_prefix` (`(batch, seq)`, see `masking_d3d`) the block rule.
+    ) -> CausalLMOutputWithPast | D3DPackedOutput:
+        """Causal LM forward; with `block_ids`/`visible_prefix` (`(batch, seq)`, see `masking_d3d`) the block rule;
+        with `anchors` the packed training pass (`forward_packed`, reachable through distributed wrappers).
 
         attention_mask: 2D padding mask `(batch, past + seq)`; logits: `(batch, seq or logits_to_keep, vocab)`.
         """
+        if anchors is not None:
+            return self.forward_packed(input_ids, anchors, attention_mask)
         if block_ids is not None:
             if position_ids is None or visible_prefix is None:
                 raise ValueError("block_ids needs position_ids and visible_prefix (see masking_d3d.block_layout)")

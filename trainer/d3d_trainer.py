@@ -1,0 +1,85 @@
+"""`D3DTrainer`: a `transformers.Trainer` for D3D drafters (diffusion + AR loss; + distillation for recovery)."""
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from transformers import Trainer, TrainingArguments
+
+from .collator import D3DCollator
+from .losses import DFLASH_GAMMA, ar_loss, diffusion_loss, distillation_loss
+
+
+@dataclass
+class D3DTrainingArguments(TrainingArguments):
+    """`TrainingArguments` plus the D3D objective's settings (as TRL's trainers extend it)."""
+
+    num_anchors: int = field(default=128, metadata={"help": "K: anchors (diffusion blocks) sampled per example."})
+    gamma: float = field(default=DFLASH_GAMMA, metadata={"help": "Decay of the position weights exp(-(j-1)/gamma)."})
+    ar_weight: float = field(default=1.0, metadata={"help": "lambda in L_train = L_diff + lambda * L_AR."})
+    kl_margin: float = field(default=0.01, metadata={"help": "delta: margin the adjusted teacher gives the label."})
+    remove_unused_columns: bool = field(default=False, metadata={"help": "Keep prompt/completion for the collator."})
+
+
+def d3d_loss_terms(
+    model, inputs: dict[str, torch.Tensor], gamma: float, ar_weight: float, teacher=None, kl_margin: float = 0.01
+) -> dict[str, torch.Tensor]:
+    """One packed forward pass and the loss terms: `loss`, `diffusion`, `ar` and, with a teacher, `kl`.
+    `model` may be wrapped (DDP): the packed pass goes through its `forward` (`anchors=...`).
+
+    `loss = L_diff + ar_weight * L_AR (+ L_KL)`; inputs as produced by `D3DCollator`."""
+    packed = {name: inputs[name] for name in ("input_ids", "anchors", "attention_mask") if name in inputs}
+    outputs = model(**packed)
+    terms = {
+        "diffusion": diffusion_loss(outputs.diffusion_logits, inputs["block_labels"], gamma),
+        "ar": ar_loss(outputs.ar_logits, inputs["ar_labels"]),
+    }
+    terms["loss"] = terms["diffusion"] + ar_weight * terms["ar"]
+    if teacher is not None:
+        with torch.no_grad():
+            teacher_logits = teacher(**packed).diffusion_logits
+        terms["kl"] = distillation_loss(outputs.diffusion_logits, teacher_logits, inputs["block_labels"], gamma, kl_margin)
+        terms["loss"] = terms["loss"] + terms["kl"]
+    return terms
+
+
+class D3DTrainer(Trainer):
+    """Trains a `D3DForBlockDiffusion` on `{"prompt", "completion"}` token-id datasets.
+
+    With `teacher_model` (the fixed, unpruned drafter) it runs recovery training with `L_rec = L_diff + lambda L_AR +
+    L_KL`. Each term is logged separately (`loss_diffusion`, `loss_ar`, `loss_kl`)."""
+
+    def __init__(self, model, args: D3DTrainingArguments, teacher_model=None, data_collator=None, **kwargs):
+        if data_collator is None:
+            data_collator = D3DCollator(
+                block_size=model.config.block_size,
+                num_anchors=args.num_anchors,
+                pad_token_id=model.config.pad_token_id or 0,
+                seed=args.seed,
+            )
+        super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
+        self.model_accepts_loss_kwargs = False
+        self.teacher_model = None
+        if teacher_model is not None:
+            teacher_model.eval().requires_grad_(False)
+            self.teacher_model = self.accelerator.prepare_model(teacher_model, evaluation_mode=True)
+        self._term_sums: dict[str, float] = defaultdict(float)
+        self._term_steps = 0
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        terms = d3d_loss_terms(model, inputs, self.args.gamma, self.args.ar_weight, self.teacher_model, self.args.kl_margin)
+        for name, value in terms.items():
+            if name != "loss":
+                self._term_sums[f"loss_{name}"] += value.detach().item()
+        self._term_steps += 1
+        return (terms["loss"], terms) if return_outputs else terms["loss"]
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        if self._term_steps and "loss" in logs:
+            logs.update({name: total / self._term_steps for name, total in self._term_sums.items()})
+            self._term_sums.clear()
+            self._term_steps = 0
+        super().log(logs, *args, **kwargs)
+
+
+__all__ = ["D3DTrainer", "D3DTrainingArguments", "d3d_loss_terms"]
