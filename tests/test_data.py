@@ -1,0 +1,52 @@
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_target, word_tokenizer
+from trainer.data import RECORDS, generate_responses, load_responses
+
+PROMPTS = [" ".join(f"w{(i * 7 + j) % 90}" for j in range(1 + i % 5)) for i in range(11)]
+
+
+class InterruptedTarget:
+    """Wraps a real target; its `generate` is interrupted on the given call, as a killed run would be."""
+
+    def __init__(self, target, interrupt_at: int):
+        self.target, self.interrupt_at, self.calls = target, interrupt_at, 0
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def generate(self, **kwargs):
+        self.calls += 1
+        if self.calls == self.interrupt_at:
+            raise KeyboardInterrupt
+        return self.target.generate(**kwargs)
+
+
+def test_responses_are_the_targets_greedy_continuations(tmp_path):
+    target, tokenizer = tiny_target(0), word_tokenizer()
+    dataset = generate_responses(target, tokenizer, PROMPTS[:4], tmp_path, batch_size=3, max_new_tokens=6)
+    assert dataset.column_names == ["index", "prompt", "completion"] and len(dataset) == 4
+    for text, example in zip(PROMPTS, dataset):
+        ids = tokenizer(text)["input_ids"]
+        expected = target.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids) :].tolist()
+        assert example["prompt"] == ids and example["completion"] == expected
+    assert load_responses(tmp_path)[:] == dataset[:]
+
+
+def test_an_interrupted_run_resumes_without_loss_or_duplicates(tmp_path):
+    target, tokenizer = tiny_target(0), word_tokenizer()
+    interrupted = InterruptedTarget(target, interrupt_at=3)
+    with pytest.raises(KeyboardInterrupt):
+        generate_responses(interrupted, tokenizer, PROMPTS, tmp_path, batch_size=2, max_new_tokens=5)
+    with (tmp_path / RECORDS).open("a") as handle:
+        handle.write('{"index": 9, "prompt": [1')  # a torn write from the killed process
+    resumed = InterruptedTarget(target, interrupt_at=-1)
+    dataset = generate_responses(resumed, tokenizer, PROMPTS, tmp_path, batch_size=2, max_new_tokens=5)
+    assert resumed.calls == 4  # 4 of 11 prompts were done in 2 batches; 7 remain in 4 batches
+    lines = [json.loads(line) for line in (tmp_path / RECORDS).read_text().splitlines()]
+    assert sorted(record["index"] for record in lines) == list(range(11))
+    fresh = generate_responses(target, tokenizer, PROMPTS, tmp_path / "fresh", batch_size=2, max_new_tokens=5)
+    assert dataset[:] == fresh[:]

@@ -1,0 +1,116 @@
+"""Target-aligned training data: the target regenerates the responses the drafter learns from.
+
+Records are appended to `responses.jsonl` as each batch finishes, so an interrupted run resumes where it stopped:
+nothing regenerated twice, nothing lost. The finished set is saved as a `datasets` dataset with `prompt` and
+`completion` token ids.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from datasets import Dataset, load_from_disk
+from tqdm.auto import tqdm
+
+RECORDS = "responses.jsonl"
+DATASET = "dataset"
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """Prompt token ids: through the tokenizer's chat template (non-thinking) when it has one, else plain text."""
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": text}]
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, enable_thinking=False)
+        return list(encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded)
+    return tokenizer(text, add_special_tokens=True)["input_ids"]
+
+
+def read_records(path: Path) -> dict[int, dict]:
+    """Completed records by prompt index; a torn last line (an interrupted write) is dropped from the file."""
+    if not path.exists():
+        return {}
+    records, good_bytes = {}, 0
+    with path.open("rb") as handle:
+        for line in handle:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            if not line.endswith(b"\n"):
+                break
+            records[record["index"]] = record
+            good_bytes += len(line)
+    with path.open("r+b") as handle:
+        handle.truncate(good_bytes)
+    return records
+
+
+def _completion(generated: list[int], stop_ids: set[int], pad_token_id: int | None) -> list[int]:
+    """Cut generated ids after the first stop token (kept) and drop trailing padding."""
+    for position, token in enumerate(generated):
+        if token in stop_ids:
+            return generated[: position + 1]
+    while generated and pad_token_id is not None and generated[-1] == pad_token_id:
+        generated = generated[:-1]
+    return generated
+
+
+@torch.no_grad()
+def generate_responses(
+    target,
+    tokenizer,
+    prompts: list[str],
+    output_dir: str | os.PathLike,
+    batch_size: int = 8,
+    max_new_tokens: int = 256,
+    do_sample: bool = False,
+    seed: int = 0,
+    **generate_kwargs,
+) -> Dataset:
+    """Regenerate a response for every prompt with `target` (batched, left-padded) and return the dataset.
+
+    Sampling settings default to the target's generation config (its recommended ones); `do_sample=False` is greedy.
+    Rerunning with the same `output_dir` continues an interrupted run."""
+    output = Path(output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    records_path = output / RECORDS
+    records = read_records(records_path)
+    tokenizer.padding_side = "left"
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = target.generation_config.eos_token_id
+    stop_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    todo = [index for index in range(len(prompts)) if index not in records]
+    device = next(target.parameters()).device
+    with records_path.open("a") as sink, tqdm(total=len(prompts), initial=len(records), desc="target responses") as bar:
+        for start in range(0, len(todo), batch_size):
+            indices = todo[start : start + batch_size]
+            encoded = [encode_prompt(tokenizer, prompts[index]) for index in indices]
+            width = max(len(ids) for ids in encoded)
+            input_ids = torch.tensor([[pad_token_id] * (width - len(ids)) + ids for ids in encoded], device=device)
+            attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded], device=device)
+            torch.manual_seed(seed + indices[0])
+            generated = target.generate(
+                input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                do_sample=do_sample, pad_token_id=pad_token_id, **generate_kwargs,
+            )
+            for row, index in enumerate(indices):
+                completion = _completion(generated[row, width:].tolist(), stop_ids, pad_token_id)
+                record = {"index": index, "prompt": encoded[row], "completion": completion}
+                sink.write(json.dumps(record) + "\n")
+                records[index] = record
+            sink.flush()
+            os.fsync(sink.fileno())
+            bar.update(len(indices))
+    ordered = [records[index] for index in range(len(prompts))]
+    dataset = Dataset.from_list(ordered)
+    dataset.save_to_disk(str(output / DATASET))
+    return dataset
+
+
+def load_responses(output_dir: str | os.PathLike) -> Dataset:
+    """The dataset a finished `generate_responses` run saved."""
+    return load_from_disk(str(Path(output_dir) / DATASET))
+
+
+__all__ = ["encode_prompt", "generate_responses", "load_responses", "read_records"]

@@ -1,0 +1,129 @@
+"""Acceptance-guided progressive layer pruning with distillation recovery (METHOD.md, section 3.3).
+
+Repeat: measure τ on the selection set with each remaining layer removed; remove the layer whose removal costs
+least; recover with `L_rec` from the fixed, unpruned teacher; re-measure τ and decoding speedup on the disjoint
+checkpoint set. Stop at `min_layers` or when τ falls below `min_tau_fraction` of the unpruned τ. The chosen
+drafter is the stage with the best measured speedup.
+"""
+
+import copy
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from benchmark.measure import MethodRun, acceptance_length, decode_one
+
+from .d3d_trainer import D3DTrainer, D3DTrainingArguments
+
+
+@dataclass
+class PruningStage:
+    depth: int
+    removed_layer: int | None
+    tau: float
+    tokens_per_second: float
+    speedup: float
+    path: str
+
+
+def drop_layer(drafter, index: int):
+    """A copy of `drafter` without decoder layer `index` (config and cache indices updated)."""
+    pruned = copy.deepcopy(drafter)
+    del pruned.model.layers[index]
+    for position, layer in enumerate(pruned.model.layers):
+        layer.self_attn.layer_idx = position
+    pruned.config.num_hidden_layers -= 1
+    pruned.config.layer_types = pruned.config.layer_types[: pruned.config.num_hidden_layers]
+    return pruned
+
+
+def decoding_speed(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int) -> tuple[float, float, float]:
+    """(τ, D3D tokens/s, speedup over the target alone) on `prompts`, the two methods interleaved per prompt."""
+    alone, assisted = MethodRun("target"), MethodRun("d3d")
+    for prompt in tqdm(prompts, desc="speed", leave=False):
+        decode_one(target, prompt, max_new_tokens, alone)
+        decode_one(target, prompt, max_new_tokens, assisted, assistant_model=drafter)
+    return assisted.tau, assisted.tokens_per_second, assisted.tokens_per_second / alone.tokens_per_second
+
+
+def prune(
+    drafter,
+    target,
+    train_dataset,
+    selection_prompts: list[torch.Tensor],
+    checkpoint_prompts: list[torch.Tensor],
+    output_dir: str | Path,
+    recovery_args: D3DTrainingArguments,
+    min_layers: int = 1,
+    min_tau_fraction: float = 0.9,
+    max_new_tokens: int = 64,
+) -> list[PruningStage]:
+    """Prune `drafter` layer by layer; writes `stage-<depth>/`, `drafter/` (the chosen one) and the report."""
+    output = Path(output_dir)
+    teacher = drafter.eval()
+    stages = [_record(target, teacher, checkpoint_prompts, max_new_tokens, output / f"stage-{_depth(teacher)}", None)]
+    current = teacher
+    while _depth(current) > min_layers:
+        costs = [
+            acceptance_length(target, drop_layer(current, i).eval(), selection_prompts, max_new_tokens, f"without {i}")
+            for i in range(_depth(current))
+        ]
+        removed = max(range(len(costs)), key=lambda i: costs[i])
+        candidate = drop_layer(current, removed)
+        args = copy.deepcopy(recovery_args)
+        args.output_dir = str(output / f"recovery-{_depth(candidate)}")
+        D3DTrainer(candidate.train(), args, teacher_model=teacher, train_dataset=train_dataset).train()
+        stage = _record(target, candidate.eval(), checkpoint_prompts, max_new_tokens, output / f"stage-{_depth(candidate)}", removed)
+        stages.append(stage)
+        current = candidate
+        if stage.tau < min_tau_fraction * stages[0].tau:
+            break
+    best = max(stages, key=lambda stage: stage.speedup)
+    type(drafter).from_pretrained(best.path).save_pretrained(output / "drafter")
+    write_report(stages, best, output)
+    return stages
+
+
+def _depth(drafter) -> int:
+    return drafter.config.num_hidden_layers
+
+
+def _record(target, drafter, prompts, max_new_tokens, path: Path, removed: int | None) -> PruningStage:
+    drafter.save_pretrained(path)
+    tau, tokens_per_second, speedup = decoding_speed(target, drafter, prompts, max_new_tokens)
+    return PruningStage(_depth(drafter), removed, tau, tokens_per_second, speedup, str(path))
+
+
+def write_report(stages: list[PruningStage], chosen: PruningStage, output: Path) -> None:
+    """`pruning.json`, `pruning.md` (a table of depth, τ, speedup) and `pruning.png`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    (output / "pruning.json").write_text(json.dumps({"stages": [asdict(s) for s in stages], "chosen": chosen.depth}, indent=2))
+    lines = ["| depth | removed layer | τ | tok/s | speedup |", "|---|---|---|---|---|"]
+    for s in stages:
+        mark = " (chosen)" if s is chosen else ""
+        removed = "-" if s.removed_layer is None else str(s.removed_layer)
+        lines.append(f"| {s.depth}{mark} | {removed} | {s.tau:.2f} | {s.tokens_per_second:.1f} | {s.speedup:.2f}x |")
+    (output / "pruning.md").write_text("\n".join(lines) + "\n")
+    figure, tau_axis = plt.subplots(figsize=(6, 3.5))
+    depths = [s.depth for s in stages]
+    tau_axis.plot(depths, [s.tau for s in stages], "o-", color="tab:blue", label="τ")
+    tau_axis.set_xlabel("drafter layers")
+    tau_axis.set_ylabel("τ", color="tab:blue")
+    tau_axis.invert_xaxis()
+    speed_axis = tau_axis.twinx()
+    speed_axis.plot(depths, [s.speedup for s in stages], "s--", color="tab:orange")
+    speed_axis.set_ylabel("speedup over target", color="tab:orange")
+    tau_axis.set_title("Acceptance-guided pruning")
+    figure.tight_layout()
+    figure.savefig(output / "pruning.png", dpi=120)
+    plt.close(figure)
+
+
+__all__ = ["PruningStage", "decoding_speed", "drop_layer", "prune", "write_report"]
