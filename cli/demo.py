@@ -4,6 +4,7 @@ It needs no download and no training: it shows the mechanics (one drafting pass 
 statistics). Random models agree rarely, so expect tau near 1; trained drafters are what make it fast.
 """
 
+import argparse
 import time
 
 import torch
@@ -49,3 +50,16 @@ def run_demo(prompts: int, max_new_tokens: int, block_size: int, vocab_size: int
     print(f"| target alone (greedy) | {new_tokens / totals['target']:.1f} | 1.00 | - |")
     print(f"| D3D drafter, B={block_size} | {new_tokens / totals['d3d']:.1f} | {new_tokens / rounds:.2f} | {identical} |")
     return identical
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--vocab-size", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    identical = run_demo(args.prompts, args.max_new_tokens, args.block_size, args.vocab_size, args.seed)
+    return 0 if identical else 1

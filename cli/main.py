@@ -1,29 +1,29 @@
-"""Entry point of the `d3d` command."""
+"""Entry point of the `d3d` command: one subcommand per module of this package."""
 
 import argparse
 import sys
+
+from . import demo, generate_data, prune, train
+
+COMMANDS = {
+    "demo": (demo, "speculative decoding on tiny random models, checked against the target"),
+    "generate-data": (generate_data, "regenerate responses with the target (resumable)"),
+    "train": (train, "train a D3D drafter for a target (diffusion + AR loss)"),
+    "prune": (prune, "acceptance-guided layer pruning with distillation recovery"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="d3d", description="D3D: decoupled diffusion drafting for speculative decoding")
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="speculative decoding on tiny random models, checked against the target")
-    demo.add_argument("--prompts", type=int, default=8)
-    demo.add_argument("--max-new-tokens", type=int, default=64)
-    demo.add_argument("--block-size", type=int, default=16)
-    demo.add_argument("--vocab-size", type=int, default=16)
-    demo.add_argument("--seed", type=int, default=0)
+    for name, (module, help_text) in COMMANDS.items():
+        module.add_arguments(commands.add_parser(name, help=help_text, description=module.__doc__))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "demo":
-        from .demo import run_demo
-
-        identical = run_demo(args.prompts, args.max_new_tokens, args.block_size, args.vocab_size, args.seed)
-        return 0 if identical else 1
-    return 2
+    return COMMANDS[args.command][0].run(args)
 
 
 if __name__ == "__main__":

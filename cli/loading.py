@@ -1,0 +1,29 @@
+"""Loading what the commands take: models, tokenizers and prompt files."""
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+def default_dtype() -> torch.dtype:
+    """bfloat16 where the hardware runs it natively (CUDA with bf16), float32 elsewhere."""
+    return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
+
+
+def load_target(path: str, device_map: str | None = None):
+    """A target causal LM and its tokenizer from a folder or Hub id."""
+    device_map = device_map or ("auto" if torch.cuda.is_available() else None)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=default_dtype(), device_map=device_map).eval()
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """Prompts from a `.jsonl` file (field `prompt`, else `text`) or a text file (one per line)."""
+    path = Path(path)
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    if path.suffix == ".jsonl":
+        records = [json.loads(line) for line in lines]
+        return [record["prompt"] if "prompt" in record else record["text"] for record in records]
+    return lines

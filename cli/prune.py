@@ -1,0 +1,51 @@
+"""`d3d prune`: acceptance-guided progressive layer pruning of a trained drafter, with distillation recovery."""
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from modeling_d3d import D3DForBlockDiffusion
+from trainer.data import load_responses
+from trainer.pruning import prune
+
+from .loading import load_target
+from .train import recipe_arguments
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--drafter", required=True, help="the trained drafter folder (the fixed teacher)")
+    parser.add_argument("--data", required=True, help="a `d3d generate-data` folder; its last 2 x --dev-size prompts are the dev sets")
+    parser.add_argument("--output", required=True, help="stages, report and the chosen drafter/")
+    parser.add_argument("--dev-size", type=int, default=512, help="prompts in each of the two disjoint dev sets")
+    parser.add_argument("--min-layers", type=int, default=1)
+    parser.add_argument("--min-tau-fraction", type=float, default=0.95)
+    parser.add_argument("--recovery-steps", type=int, default=10_000)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--learning-rate", type=float, default=1e-5)
+    parser.add_argument("--min-learning-rate", type=float, default=1e-6)
+    parser.add_argument("--global-batch-size", type=int, default=16)
+    parser.add_argument("--per-device-batch-size", type=int, default=1)
+    parser.add_argument("--num-anchors", type=int, default=128)
+    parser.add_argument("--gamma", type=float, default=7.0)
+    parser.add_argument("--ar-weight", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    target, tokenizer = load_target(args.target)
+    drafter = D3DForBlockDiffusion.from_pretrained(args.drafter).to(target.device)
+    data = load_responses(args.data)
+    dev = min(args.dev_size, len(data) // 4)
+    prompts = [torch.tensor([ids]) for ids in data[len(data) - 2 * dev :]["prompt"]]
+    train = data.select(range(len(data) - 2 * dev))
+    args.epochs = 1.0
+    recovery = recipe_arguments(args, args.output, args.recovery_steps)
+    stages = prune(
+        drafter, target, train, prompts[:dev], prompts[dev:], args.output, recovery,
+        args.min_layers, args.min_tau_fraction, args.max_new_tokens,
+    )
+    tokenizer.save_pretrained(f"{args.output}/drafter")
+    print((Path(args.output) / "pruning.md").read_text())
+    return 0 if stages else 1

@@ -1,0 +1,82 @@
+"""`d3d train`: train a D3D drafter for a target on its regenerated responses."""
+
+import argparse
+import importlib.util
+
+import torch
+
+from modeling_d3d import D3DForBlockDiffusion
+from trainer.d3d_trainer import D3DTrainer, D3DTrainingArguments
+from trainer.data import load_responses
+
+from .loading import load_target
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, help="target model folder or Hub id (its tokenizer is saved too)")
+    parser.add_argument("--data", required=True, help="a `d3d generate-data` output folder")
+    parser.add_argument("--output", required=True, help="folder for the trained drafter (trust_remote_code)")
+    parser.add_argument("--init", default=None, help="Qwen3 checkpoint to initialise from (default: the target)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--mask-token-id", type=int, default=None)
+    parser.add_argument("--epochs", type=float, default=3.0)
+    parser.add_argument("--max-steps", type=int, default=-1)
+    parser.add_argument("--learning-rate", type=float, default=1e-5)
+    parser.add_argument("--min-learning-rate", type=float, default=1e-6)
+    parser.add_argument("--global-batch-size", type=int, default=16)
+    parser.add_argument("--per-device-batch-size", type=int, default=1)
+    parser.add_argument("--num-anchors", type=int, default=128)
+    parser.add_argument("--gamma", type=float, default=7.0)
+    parser.add_argument("--ar-weight", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def recipe_arguments(args: argparse.Namespace, output_dir: str, max_steps: int) -> D3DTrainingArguments:
+    """The paper's recipe: cosine lr to a floor, 1% warmup, no weight decay, clip 1, bf16 and 8-bit AdamW on GPUs."""
+    on_gpu = torch.cuda.is_available()
+    eight_bit = on_gpu and importlib.util.find_spec("bitsandbytes") is not None
+    training_args = D3DTrainingArguments(
+        output_dir=output_dir,
+        num_train_epochs=args.epochs,
+        max_steps=max_steps,
+        per_device_train_batch_size=args.per_device_batch_size,
+        learning_rate=args.learning_rate,
+        lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr": args.min_learning_rate},
+        warmup_steps=0.01,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        bf16=on_gpu and torch.cuda.is_bf16_supported(),
+        optim="adamw_bnb_8bit" if eight_bit else "adamw_torch",
+        num_anchors=args.num_anchors,
+        gamma=args.gamma,
+        ar_weight=args.ar_weight,
+        logging_steps=10,
+        save_strategy="no",
+        report_to=[],
+        seed=args.seed,
+        use_cpu=not on_gpu,
+    )
+    per_step = args.per_device_batch_size * training_args.world_size
+    training_args.gradient_accumulation_steps = max(1, args.global_batch_size // per_step)
+    return training_args
+
+
+def run(args: argparse.Namespace) -> int:
+    target, tokenizer = load_target(args.target, device_map="cpu" if not torch.cuda.is_available() else None)
+    drafter = D3DForBlockDiffusion.from_backbone(
+        args.init or target, block_size=args.block_size, mask_token_id=args.mask_token_id, tokenizer=tokenizer
+    )
+    del target
+    trainer = D3DTrainer(drafter, recipe_arguments(args, args.output, args.max_steps), train_dataset=load_responses(args.data))
+    result = trainer.train()
+    if trainer.is_world_process_zero():
+        trainer.accelerator.unwrap_model(trainer.model).save_pretrained(args.output)
+        tokenizer.save_pretrained(args.output)
+        batch = trainer.args.per_device_train_batch_size
+        print(
+            f"trained {result.global_step} steps on {trainer.accelerator.num_processes} process(es), global batch "
+            f"{batch * trainer.accelerator.num_processes * trainer.args.gradient_accumulation_steps}; final loss "
+            f"{result.training_loss:.4f}; drafter saved to {args.output}"
+        )
+    return 0

@@ -1,0 +1,58 @@
+"""The training commands end to end on a tiny target: generate-data, a 2-process `accelerate launch` of train, prune."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cli.main import main
+from conftest import tiny_target, word_tokenizer
+from modeling_d3d import D3DForBlockDiffusion
+
+ROOT = Path(__file__).parents[1]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("commands")
+    tiny_target(0, layers=2).save_pretrained(tmp / "target")
+    word_tokenizer().save_pretrained(tmp / "target")
+    (tmp / "prompts.txt").write_text("\n".join(" ".join(f"w{(i * 5 + j) % 90}" for j in range(2 + i % 4)) for i in range(24)))
+    assert main(["generate-data", "--target", str(tmp / "target"), "--prompts", str(tmp / "prompts.txt"),
+                 "--output", str(tmp / "data"), "--max-new-tokens", "16", "--batch-size", "8"]) == 0
+    return tmp
+
+
+def test_generate_data_writes_every_prompt_once(workspace):
+    records = [json.loads(line) for line in (workspace / "data" / "responses.jsonl").read_text().splitlines()]
+    assert sorted(r["index"] for r in records) == list(range(24))
+
+
+def test_train_runs_distributed_with_two_processes(workspace):
+    """`--multi_gpu` makes accelerate start torchrun; on a CPU-only machine the processes use gloo."""
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no", "--multi_gpu", "-m", "cli.main", "train",
+        "--target", str(workspace / "target"), "--data", str(workspace / "data"), "--output", str(workspace / "drafter"),
+        "--block-size", "4", "--max-steps", "6", "--num-anchors", "4", "--learning-rate", "1e-3",
+        "--global-batch-size", "8", "--per-device-batch-size", "2",
+    ]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    log = result.stdout + result.stderr
+    assert "trained 6 steps on 2 process(es), global batch 8" in log
+    drafter = D3DForBlockDiffusion.from_pretrained(workspace / "drafter")
+    assert drafter.config.block_size == 4 and (workspace / "drafter" / "tokenizer.json").exists()
+
+
+def test_prune_writes_the_chosen_drafter_and_report(workspace):
+    D3DForBlockDiffusion.from_backbone(str(workspace / "target"), block_size=4).save_pretrained(workspace / "init")
+    assert main(["prune", "--target", str(workspace / "target"), "--drafter", str(workspace / "init"),
+                 "--data", str(workspace / "data"), "--output", str(workspace / "pruned"), "--dev-size", "3",
+                 "--recovery-steps", "4", "--min-layers", "1", "--max-new-tokens", "12", "--min-tau-fraction", "0",
+                 "--per-device-batch-size", "4", "--global-batch-size", "4", "--num-anchors", "4"]) == 0
+    report = json.loads((workspace / "pruned" / "pruning.json").read_text())
+    assert [stage["depth"] for stage in report["stages"]] == [2, 1]
+    assert D3DForBlockDiffusion.from_pretrained(workspace / "pruned" / "drafter").config.num_hidden_layers == report["chosen"]
