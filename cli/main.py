@@ -3,13 +3,15 @@
 import argparse
 import sys
 
-from . import demo, generate_data, prune, train
+from . import bench, demo, generate_data, prune, quickstart, train
 
 COMMANDS = {
+    "quickstart": (quickstart, "the embedded default end to end: target, assistant, drafter, benchmark"),
     "demo": (demo, "speculative decoding on tiny random models, checked against the target"),
     "generate-data": (generate_data, "regenerate responses with the target (resumable)"),
     "train": (train, "train a D3D drafter for a target (diffusion + AR loss)"),
     "prune": (prune, "acceptance-guided layer pruning with distillation recovery"),
+    "bench": (bench, "D3D beside its peers on the same prompts, in one process"),
 }
 
 

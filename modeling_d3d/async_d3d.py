@@ -66,7 +66,8 @@ class D3DAssistedGenerator:
     drafter: a `D3DForBlockDiffusion`; device: where it drafts (e.g. `"cuda:1"` with the target on `cuda:0`);
     `None` keeps it where it is. coverage `C` and fanout `F`: successor branches for the first `C - 1` rejection
     positions times `F` alternative anchors, plus the full-acceptance branch (budget `B((C - 1)F + 2)` tokens);
-    defaults C = min(12, B), F = 2 (the paper's).
+    defaults C = min(12, B), F = 2 (the paper's). worker_threads: torch intra-op threads of the worker thread (on a
+    CPU-only machine, so that drafting and verification share the cores instead of oversubscribing them).
     Use it as a context manager, or call `close()`, to stop the worker thread. One `generate` call at a time.
     """
 
@@ -76,6 +77,7 @@ class D3DAssistedGenerator:
         device: torch.device | str | None = None,
         coverage: int | None = None,
         fanout: int = DEFAULT_FANOUT,
+        worker_threads: int | None = None,
     ):
         block_size = drafter.config.block_size
         coverage = min(DEFAULT_COVERAGE, block_size) if coverage is None else coverage
@@ -85,7 +87,12 @@ class D3DAssistedGenerator:
         self.coverage = coverage
         self.fanout = fanout
         self.budget_tokens = block_size * ((coverage - 1) * fanout + 2)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3d-drafter")
+        self._executor = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="d3d-drafter",
+            initializer=torch.set_num_threads if worker_threads else None,
+            initargs=(worker_threads,) if worker_threads else (),
+        )
         self._lock = threading.Lock()
         self._session: _Session | None = None
         self._closed = False
@@ -180,6 +187,12 @@ class D3DAssistedGenerator:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return {branch.key: branch for branch in branches}, time.perf_counter() - start
+
+    def wait(self) -> None:
+        """Block until the worker has finished the pass queued by the last round (its result stays usable)."""
+        session = self._session
+        if session is not None and session.pending is not None:
+            session.pending.result()
 
     def close(self) -> None:
         """Stop the worker thread (waiting for a running pass); the generator cannot be used afterwards."""

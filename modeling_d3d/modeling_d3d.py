@@ -11,7 +11,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3Model
 from transformers.utils import ModelOutput, logging
 
-from .async_d3d import DEFAULT_FANOUT, D3DAssistedGenerator
+from .async_d3d import D3DAssistedGenerator
 from .configuration_d3d import D3DConfig
 from .masking_d3d import block_layout, create_block_diffusion_mask
 from .speculative_d3d import (
@@ -131,6 +131,25 @@ class D3DForBlockDiffusion(D3DPreTrainedModel, GenerationMixin):
         """
         if anchors is not None:
             return self.forward_packed(input_ids, anchors, attention_mask)
+        return self._run(
+            input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, logits_to_keep,
+            block_ids, visible_prefix, **kwargs,
+        )
+
+    def _run(
+        self,
+        input_ids: torch.LongTensor | None,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.LongTensor | None,
+        past_key_values: DynamicCache | None,
+        inputs_embeds: torch.FloatTensor | None,
+        use_cache: bool | None,
+        logits_to_keep: int,
+        block_ids: torch.LongTensor | None,
+        visible_prefix: torch.LongTensor | None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """The decoder and head (not re-entering `forward`, so wrappers around it, such as autocast, apply once)."""
         if block_ids is not None:
             if position_ids is None or visible_prefix is None:
                 raise ValueError("block_ids needs position_ids and visible_prefix (see masking_d3d.block_layout)")
@@ -160,11 +179,10 @@ class D3DForBlockDiffusion(D3DPreTrainedModel, GenerationMixin):
             hidden_states=outputs.hidden_states,
         )
 
-    def async_generator(
-        self, device: torch.device | str | None = None, coverage: int | None = None, fanout: int = DEFAULT_FANOUT
-    ) -> D3DAssistedGenerator:
-        """An asynchronous drafter for `target.generate(..., assistant_model=...)` (see `async_d3d`)."""
-        return D3DAssistedGenerator(self, device=device, coverage=coverage, fanout=fanout)
+    def async_generator(self, device: torch.device | str | None = None, **settings) -> D3DAssistedGenerator:
+        """An asynchronous drafter for `target.generate(..., assistant_model=...)`; `settings`: coverage, fanout,
+        worker_threads (see `async_d3d.D3DAssistedGenerator`)."""
+        return D3DAssistedGenerator(self, device=device, **settings)
 
     def check_compatibility(self, target: PreTrainedModel, target_tokenizer=None, drafter_tokenizer=None) -> None:
         """Raise `ValueError` unless this drafter can draft for `target` (see `speculative_d3d.check_compatibility`)."""
@@ -202,13 +220,9 @@ class D3DForBlockDiffusion(D3DPreTrainedModel, GenerationMixin):
         block_ids, visible_prefix, position_ids = block_layout(shared_length, anchors, block_size)
         if attention_mask is not None:
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(blocks.shape)], dim=1)
-        logits = self(
-            input_ids=torch.cat([input_ids, blocks], dim=1),
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            block_ids=block_ids,
-            visible_prefix=visible_prefix,
-            use_cache=False,
+        logits = self._run(
+            torch.cat([input_ids, blocks], dim=1), attention_mask, position_ids, None, None, False, 0, block_ids,
+            visible_prefix,
         ).logits
         block_logits = logits[:, shared_length:].reshape(batch, anchors.shape[1], block_size, -1)
         return D3DPackedOutput(ar_logits=logits[:, :shared_length], diffusion_logits=block_logits[:, :, 1:])

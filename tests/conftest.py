@@ -1,5 +1,9 @@
 """Tiny Qwen3 targets and D3D drafters built from configs (no downloads)."""
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -59,3 +63,35 @@ def always_predicts(model: torch.nn.Module, token: int) -> torch.nn.Module:
         head.bias[token] = 10.0
     model.lm_head = head
     return model
+
+
+HIDE_PROJECT = textwrap.dedent(
+    """
+    import importlib.abc, sys
+
+    class RefuseProject(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in {"modeling_d3d", "trainer", "hub_upload", "space_app", "cli", "benchmark", "quickstart"}:
+                raise ModuleNotFoundError(f"{name} is hidden in this test")
+            return None
+
+    sys.meta_path.insert(0, RefuseProject())
+    try:
+        import modeling_d3d
+        raise SystemExit("the project was importable")
+    except ModuleNotFoundError:
+        pass
+    """
+)
+
+
+def run_without_project(code: str, *args: str, cwd) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh Python process in which this project cannot be imported (as a Hub user would)."""
+    return subprocess.run(
+        [sys.executable, "-c", HIDE_PROJECT + textwrap.dedent(code), *args],
+        cwd=cwd,
+        env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HOME": str(cwd)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )

@@ -185,10 +185,11 @@ def test_the_worker_runs_one_pass_at_a_time():
                 active[0] -= 1
 
     drafter.forward = observed_forward
-    with drafter.async_generator(coverage=4, fanout=2) as generator:
+    with drafter.async_generator(coverage=4, fanout=2, worker_threads=1) as generator:
         for seed in range(3):
             prompt = torch.randint(0, 6, (1, 5), generator=torch.Generator().manual_seed(seed))
-            target.generate(prompt, max_new_tokens=30, do_sample=False, assistant_model=generator)
+            out = target.generate(prompt, max_new_tokens=30, do_sample=False, assistant_model=generator)
+            assert torch.equal(out, target.generate(prompt, max_new_tokens=30, do_sample=False))
     assert most[0] == 1
 
 

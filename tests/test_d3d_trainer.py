@@ -58,6 +58,17 @@ def test_training_raises_acceptance_and_logs_each_term(setup):
     assert taus["diffusion+ar"] > taus["init"]
 
 
+def test_a_drafter_trained_in_bf16_leaves_training_as_it_loads_from_disk(setup, tmp_path):
+    _, target, _, data, held_out = setup
+    drafter = D3DForBlockDiffusion.from_backbone(target, block_size=BLOCK)
+    D3DTrainer(drafter, training_args(tmp_path, "bf16", 2, bf16=True), train_dataset=data).train()
+    assert "_original_forward" not in drafter.__dict__  # accelerate's autocast wrapper is gone
+    drafter.eval().save_pretrained(tmp_path / "saved")
+    reloaded = D3DForBlockDiffusion.from_pretrained(tmp_path / "saved").eval()
+    logits = drafter(held_out[0]).logits
+    assert logits.dtype == torch.float32 and torch.equal(logits, reloaded(held_out[0]).logits)
+
+
 def test_drop_layer_keeps_a_working_smaller_drafter(setup):
     _, target, _, _, held_out = setup
     drafter = D3DForBlockDiffusion.from_backbone(tiny_target(3, layers=3), block_size=BLOCK).eval()

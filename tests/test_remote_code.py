@@ -1,31 +1,12 @@
 """A saved drafter loads with `trust_remote_code` alone, in a fresh process where this project cannot be imported."""
 
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import torch
 
-from conftest import tiny_drafter
+from conftest import run_without_project, tiny_drafter
 
-FRESH_PROCESS = textwrap.dedent(
-    """
-    import importlib.abc, sys
-
-    class RefuseProject(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in {"modeling_d3d", "trainer", "hub_upload", "space_app", "cli"}:
-                raise ModuleNotFoundError(f"{name} is hidden in this test")
-            return None
-
-    sys.meta_path.insert(0, RefuseProject())
-    try:
-        import modeling_d3d
-        raise SystemExit("the project was importable")
-    except ModuleNotFoundError:
-        pass
-
+FRESH_PROCESS = """
     import torch
     from transformers import AutoConfig, AutoModel
 
@@ -47,8 +28,7 @@ FRESH_PROCESS = textwrap.dedent(
     with model.async_generator() as generator:
         assert torch.equal(target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=generator), plain)
     print("loaded", type(model).__module__)
-    """
-)
+"""
 
 
 def test_save_pretrained_writes_remote_code_that_loads_in_a_fresh_process(tmp_path: Path):
@@ -64,14 +44,7 @@ def test_save_pretrained_writes_remote_code_that_loads_in_a_fresh_process(tmp_pa
         reference = {"ids": ids, "causal": drafter(ids).logits, "draft": drafter.draft_block(ids).logits}
     torch.save(reference, tmp_path / "reference.pt")
 
-    result = subprocess.run(
-        [sys.executable, "-c", FRESH_PROCESS, str(tmp_path)],
-        cwd=tmp_path.parent,
-        env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HOME": str(tmp_path.parent)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_without_project(FRESH_PROCESS, str(tmp_path), cwd=tmp_path.parent)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "loaded transformers_modules." in result.stdout
 

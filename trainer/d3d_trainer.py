@@ -66,6 +66,13 @@ class D3DTrainer(Trainer):
         self._term_sums: dict[str, float] = defaultdict(float)
         self._term_steps = 0
 
+    def train(self, *args, **kwargs):
+        """Train, then drop the mixed-precision wrapper accelerate put on `forward`: the drafter leaves training
+        exactly as it would load from disk (an autocast forward is slower and not what was saved)."""
+        output = super().train(*args, **kwargs)
+        self.accelerator.unwrap_model(self.model, keep_fp32_wrapper=False)
+        return output
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         terms = d3d_loss_terms(model, inputs, self.args.gamma, self.args.ar_weight, self.teacher_model, self.args.kl_margin)
         for name, value in terms.items():

@@ -1,0 +1,74 @@
+"""Rendering benchmark results: a markdown table, JSON and a bar chart."""
+
+import json
+from pathlib import Path
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def _times(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def markdown(results: dict) -> str:
+    """Tables (one per prompt set) and the (C, F) sweep."""
+    lines = []
+    for name, prompt_set in results["prompt_sets"].items():
+        lines += [
+            f"### {name} ({prompt_set['prompts']} prompts, {results['max_new_tokens']} new tokens, greedy)", "",
+            "| method | tok/s | speedup | τ | cache hits | lossless | ideal τ·t(1)/t(B) |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for row in prompt_set["methods"]:
+            lines.append(
+                f"| {row['method']} | {row['tokens_per_second']:.1f} | {row['speedup']:.2f}x | {row['tau']:.2f} | "
+                f"{_percent(row['hit_rate'])} | {'yes' if row['lossless'] else 'NO'} | {_times(row['ideal_speedup'])} |"
+            )
+        lines.append("")
+    lines += ["### D3D async budget sweep", "", "| C | F | budget (tokens) | tok/s | τ | cache hits |", "|---|---|---|---|---|---|"]
+    for row in results["sweep"]:
+        lines.append(f"| {row['coverage']} | {row['fanout']} | {row['budget']} | {row['tokens_per_second']:.1f} | "
+                     f"{row['tau']:.2f} | {_percent(row['hit_rate'])} |")
+    lines.append(f"\nTarget forward: t(1) = {1000 * results['t1_seconds']:.2f} ms, t(B={results['block_size']}) = "
+                 f"{1000 * results['tb_seconds']:.2f} ms over a 256-token cached prefix.")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
+    """Speedup over the target alone, one bar group per prompt set."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = list(results["prompt_sets"])
+    methods = [row["method"] for row in results["prompt_sets"][sets[0]]["methods"]]
+    figure, axis = plt.subplots(figsize=(9, 4))
+    width = 0.8 / len(sets)
+    for index, name in enumerate(sets):
+        speedups = [row["speedup"] for row in results["prompt_sets"][name]["methods"]]
+        axis.bar([m + index * width for m in range(len(methods))], speedups, width, label=name)
+    axis.axhline(1.0, color="gray", linewidth=0.8)
+    axis.set_xticks([m + width * (len(sets) - 1) / 2 for m in range(len(methods))])
+    axis.set_xticklabels(methods, rotation=20, ha="right", fontsize=8)
+    axis.set_ylabel("speedup over the target alone")
+    axis.legend()
+    axis.set_title("Decoding speed, greedy, one process")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def write(results: dict, output_dir: Path) -> str:
+    """`bench.json`, `bench.md`, `bench.png` in `output_dir`; returns the markdown."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "bench.json").write_text(json.dumps(results, indent=2))
+    table = markdown(results)
+    (output_dir / "bench.md").write_text(table)
+    plot(results, output_dir / "bench.png")
+    return table
+
+
+__all__ = ["markdown", "plot", "write"]

@@ -1,0 +1,55 @@
+"""`d3d bench`: D3D beside the target alone, HF assisted generation and prompt lookup, in one process."""
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from benchmark import report
+from benchmark.bench import benchmark
+from modeling_d3d import D3DForBlockDiffusion
+from trainer.data import encode_prompt
+
+from .loading import load_target, read_prompts
+
+
+def parse_grid(text: str | None) -> list[tuple[int, int]] | None:
+    """`"4x2,12x2"` -> `[(4, 2), (12, 2)]` (coverage x fanout)."""
+    if not text:
+        return None
+    return [tuple(int(part) for part in item.split("x")) for item in text.split(",")]
+
+
+def prompt_set(name: str) -> list[str]:
+    """`humaneval`, `pydoc` (the embedded sets) or a `.jsonl`/`.txt` file."""
+    from quickstart.corpus import humaneval_prompts, pydoc_prompts
+
+    sets = {"humaneval": humaneval_prompts, "pydoc": pydoc_prompts}
+    return sets[name]() if name in sets else read_prompts(name)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--drafter", required=True)
+    parser.add_argument("--assistant", default=None, help="an AR assistant for HF assisted generation (optional)")
+    parser.add_argument("--prompts", default="humaneval", help="comma-separated: humaneval, pydoc or FILE.jsonl")
+    parser.add_argument("--num-prompts", type=int, default=40, help="first N prompts of each set")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--sweep", default=None, help="(C, F) grid for the async sweep, e.g. 4x2,8x1,12x2")
+    parser.add_argument("--output", default=None, help="folder for bench.json, bench.md, bench.png")
+
+
+def run(args: argparse.Namespace) -> int:
+    target, tokenizer = load_target(args.target)
+    drafter = D3DForBlockDiffusion.from_pretrained(args.drafter, dtype=target.dtype).to(target.device).eval()
+    drafter.check_compatibility(target, tokenizer)
+    assistant = load_target(args.assistant)[0].to(target.device) if args.assistant else None
+    sets = {
+        Path(name).stem: [torch.tensor([encode_prompt(tokenizer, text)]) for text in prompt_set(name)[: args.num_prompts]]
+        for name in args.prompts.split(",")
+    }
+    results = benchmark(target, drafter, sets, args.max_new_tokens, assistant, parse_grid(args.sweep))
+    table = report.write(results, Path(args.output)) if args.output else report.markdown(results)
+    print(table)
+    lossless = all(row["lossless"] for s in results["prompt_sets"].values() for row in s["methods"])
+    return 0 if lossless else 1

@@ -1,0 +1,17 @@
+"""`d3d quickstart`: train a target, an AR assistant and a D3D drafter on Python's own text, then benchmark."""
+
+import argparse
+from pathlib import Path
+
+from quickstart.pipeline import MICRO, QuickstartSizes, run_quickstart
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--output", default="d3d-output", help="output folder (a rerun reuses finished stages)")
+    parser.add_argument("--micro", action="store_true", help="tiny sizes: minutes, for tests")
+
+
+def run(args: argparse.Namespace) -> int:
+    results = run_quickstart(Path(args.output), MICRO if args.micro else QuickstartSizes())
+    lossless = all(row["lossless"] for s in results["prompt_sets"].values() for row in s["methods"])
+    return 0 if lossless else 1

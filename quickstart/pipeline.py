@@ -1,0 +1,156 @@
+"""`d3d quickstart`: the embedded default end to end, each stage reusing what an earlier run finished.
+
+tokenizer -> target (trained from scratch) -> AR assistant -> target-regenerated responses -> D3D drafter
+(from the target's weights) -> pruning, kept if it pays -> benchmark. Everything lands in one output folder.
+"""
+
+import json
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen3ForCausalLM
+
+from benchmark import report
+from benchmark.bench import benchmark
+from hub_upload.model_card import write_model_card
+from modeling_d3d import D3DForBlockDiffusion
+from trainer.d3d_trainer import D3DTrainer, D3DTrainingArguments
+from trainer.data import generate_responses
+from trainer.pruning import prune
+
+from .corpus import function_prompts, humaneval_prompts, pydoc_prompts, training_texts
+from .pretrain import causal_lm_config, chunked_dataset, perplexity, pretrain, train_tokenizer
+
+
+@dataclass
+class ModelSize:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    mlp: int
+    steps: int
+    batch_size: int
+    learning_rate: float
+
+
+@dataclass
+class QuickstartSizes:
+    """Every size of the embedded default (see the README for what the default ones cost)."""
+
+    corpus_bytes: int = 10_000_000
+    vocab_size: int = 4096
+    sequence_length: int = 256
+    target: ModelSize = field(default_factory=lambda: ModelSize(256, 4, 4, 2, 768, 600, 16, 2e-3))
+    assistant: ModelSize = field(default_factory=lambda: ModelSize(192, 2, 4, 2, 576, 250, 16, 2e-3))
+    drafter_prompts: int = 1200
+    response_tokens: int = 128
+    block_size: int = 16
+    num_anchors: int = 16
+    drafter_steps: int = 450
+    drafter_batch_size: int = 8
+    drafter_learning_rate: float = 1e-3
+    prune_stages: int = 1
+    recovery_steps: int = 60
+    dev_prompts: int = 8
+    bench_prompts: int = 40
+    bench_pydoc_prompts: int = 10
+    bench_new_tokens: int = 128
+
+
+MICRO = QuickstartSizes(
+    corpus_bytes=300_000, vocab_size=512, sequence_length=64,
+    target=ModelSize(64, 2, 4, 2, 128, 30, 8, 3e-3), assistant=ModelSize(32, 1, 2, 1, 64, 10, 8, 3e-3),
+    drafter_prompts=24, response_tokens=24, block_size=4, num_anchors=6, drafter_steps=20, drafter_batch_size=4,
+    prune_stages=1, recovery_steps=4, dev_prompts=3, bench_prompts=2, bench_pydoc_prompts=2, bench_new_tokens=16,
+)
+
+
+def _done(folder: Path) -> bool:
+    return (folder / "config.json").exists()
+
+
+def _causal_lm(name: str, size: ModelSize, tokenizer, output: Path, sizes: QuickstartSizes, texts) -> Qwen3ForCausalLM:
+    folder = output / name
+    if _done(folder):
+        return Qwen3ForCausalLM.from_pretrained(folder).eval()
+    config = causal_lm_config(tokenizer, sizes.vocab_size, size.hidden, size.layers, size.heads, size.kv_heads, size.mlp)
+    dataset = chunked_dataset(tokenizer, texts, sizes.sequence_length).shuffle(seed=0)
+    held_out = dataset.select(range(min(64, len(dataset) // 10)))
+    model = pretrain(config, dataset.select(range(len(held_out), len(dataset))), folder, size.steps, size.batch_size,
+                     size.learning_rate)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / "perplexity.json").write_text(json.dumps({"held_out_perplexity": perplexity(model, held_out)}))
+    shutil.rmtree(folder / "checkpoints", ignore_errors=True)
+    return model
+
+
+def _drafter_args(output_dir: Path, sizes: QuickstartSizes, steps: int) -> D3DTrainingArguments:
+    return D3DTrainingArguments(
+        output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=sizes.drafter_batch_size,
+        learning_rate=sizes.drafter_learning_rate, lr_scheduler_type="cosine", warmup_steps=0.03, weight_decay=0.0,
+        max_grad_norm=1.0, num_anchors=sizes.num_anchors, logging_steps=max(steps // 10, 1), save_strategy="no",
+        report_to=[], seed=0, use_cpu=not torch.cuda.is_available(),
+        bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
+    )
+
+
+def run_quickstart(output: Path, sizes: QuickstartSizes = QuickstartSizes()) -> dict:
+    """Run (or resume) every stage into `output`; returns the benchmark results."""
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "sizes.json").write_text(json.dumps(asdict(sizes), indent=2))
+    texts = training_texts(sizes.corpus_bytes)
+
+    if (output / "tokenizer" / "tokenizer.json").exists():
+        tokenizer = AutoTokenizer.from_pretrained(output / "tokenizer")
+    else:
+        tokenizer = train_tokenizer(texts, sizes.vocab_size)
+        tokenizer.save_pretrained(output / "tokenizer")
+    target = _causal_lm("target", sizes.target, tokenizer, output, sizes, texts)
+    assistant = _causal_lm("assistant", sizes.assistant, tokenizer, output, sizes, texts)
+
+    prompts = function_prompts(sizes.drafter_prompts)
+    data = generate_responses(target, tokenizer, prompts, output / "data", batch_size=16,
+                              max_new_tokens=sizes.response_tokens)
+    dev = 2 * sizes.dev_prompts
+    train_data, dev_prompts = data.select(range(len(data) - dev)), [torch.tensor([p]) for p in data[len(data) - dev :]["prompt"]]
+
+    trained = output / "drafter-trained"
+    if _done(trained):
+        drafter = D3DForBlockDiffusion.from_pretrained(trained)
+    else:
+        drafter = D3DForBlockDiffusion.from_backbone(target, block_size=sizes.block_size, tokenizer=tokenizer)
+        D3DTrainer(drafter, _drafter_args(trained, sizes, sizes.drafter_steps), train_dataset=train_data).train()
+        drafter.save_pretrained(trained)
+    drafter.eval()
+
+    final = output / "drafter"
+    if not _done(final):
+        pruning = output / "pruning"
+        depth = drafter.config.num_hidden_layers
+        prune(drafter, target, train_data, dev_prompts[: sizes.dev_prompts], dev_prompts[sizes.dev_prompts :], pruning,
+              _drafter_args(pruning, sizes, sizes.recovery_steps), min_layers=max(depth - sizes.prune_stages, 1),
+              min_tau_fraction=0.0, max_new_tokens=sizes.response_tokens)
+        shutil.copytree(pruning / "drafter", final)
+        tokenizer.save_pretrained(final)
+    drafter = D3DForBlockDiffusion.from_pretrained(final).eval()
+
+    prompt_sets = {
+        "humaneval": [torch.tensor([tokenizer(p)["input_ids"]]) for p in humaneval_prompts()[: sizes.bench_prompts]],
+        "pydoc": [torch.tensor([tokenizer(p)["input_ids"]]) for p in pydoc_prompts()[: sizes.bench_pydoc_prompts]],
+    }
+    results = benchmark(target, drafter, prompt_sets, sizes.bench_new_tokens, assistant)
+    table = report.write(results, output)
+    write_model_card(
+        final, drafter_config=drafter.config, target=str(output / "target"), repo=str(final), bench=results,
+        training=(f"{sizes.drafter_steps} steps of L_diff + L_AR on {len(train_data)} target-regenerated responses to "
+                  f"standard-library function prompts, then acceptance-guided pruning ({sizes.prune_stages} stage)"),
+    )
+    print(table)
+    return results
+
+
+__all__ = ["MICRO", "ModelSize", "QuickstartSizes", "run_quickstart"]

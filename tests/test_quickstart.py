@@ -1,0 +1,62 @@
+"""The whole quickstart pipeline at micro size: every artifact, lossless methods, remote-code drafter, stage reuse."""
+
+import json
+
+import pytest
+
+from conftest import run_without_project
+from quickstart.corpus import function_prompts, humaneval_prompts, pydoc_prompts, split_topics, training_texts
+from quickstart.pipeline import MICRO, run_quickstart
+
+
+@pytest.fixture(scope="module")
+def output(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("quickstart")
+    run_quickstart(folder, MICRO)
+    return folder
+
+
+def test_every_artifact_is_written(output):
+    for name in ("target/config.json", "assistant/config.json", "drafter/config.json", "drafter/README.md",
+                 "drafter/modeling_d3d.py", "drafter/tokenizer.json", "bench.json", "bench.md", "bench.png",
+                 "pruning/pruning.md", "data/dataset"):
+        assert (output / name).exists(), name
+
+
+def test_every_benchmarked_method_was_lossless(output):
+    results = json.loads((output / "bench.json").read_text())
+    rows = [row for prompt_set in results["prompt_sets"].values() for row in prompt_set["methods"]]
+    assert {"target alone", "D3D sync"} <= {row["method"] for row in rows}
+    assert any(row["method"].startswith("D3D async") for row in rows)
+    assert all(row["lossless"] for row in rows)
+    assert results["sweep"] and set(results["prompt_sets"]) == {"humaneval", "pydoc"}
+
+
+def test_the_drafter_folder_loads_with_remote_code_in_a_fresh_process(output):
+    code = """
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+    drafter = AutoModel.from_pretrained(sys.argv[1] + "/drafter", trust_remote_code=True)
+    target = AutoModelForCausalLM.from_pretrained(sys.argv[1] + "/target")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    assert torch.equal(target.generate(ids, max_new_tokens=10, do_sample=False, assistant_model=drafter),
+                       target.generate(ids, max_new_tokens=10, do_sample=False))
+    print("ok")
+    """
+    result = run_without_project(code, str(output), cwd=output.parent)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_a_second_run_reuses_finished_stages(output):
+    stamps = {name: (output / name / "model.safetensors").stat().st_mtime_ns for name in ("target", "assistant", "drafter")}
+    run_quickstart(output, MICRO)
+    assert stamps == {name: (output / name / "model.safetensors").stat().st_mtime_ns for name in stamps}
+
+
+def test_evaluation_prompts_stay_out_of_training():
+    assert len(humaneval_prompts()) == 164
+    _, held_out = split_topics()
+    texts = set(training_texts(MICRO.corpus_bytes))
+    assert held_out and not any(prompt in text for prompt in pydoc_prompts() for text in texts)
+    training_prompts = set(function_prompts(500))
+    assert not training_prompts & set(humaneval_prompts())
