@@ -10,7 +10,7 @@ from trainer.data import load_responses
 from trainer.pruning import prune
 
 from .loading import load_target
-from .train import recipe_arguments
+from .train import add_recipe_arguments, recipe_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,14 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-tau-fraction", type=float, default=0.95)
     parser.add_argument("--recovery-steps", type=int, default=10_000)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--learning-rate", type=float, default=1e-5)
-    parser.add_argument("--min-learning-rate", type=float, default=1e-6)
-    parser.add_argument("--global-batch-size", type=int, default=16)
-    parser.add_argument("--per-device-batch-size", type=int, default=1)
-    parser.add_argument("--num-anchors", type=int, default=128)
-    parser.add_argument("--gamma", type=float, default=7.0)
-    parser.add_argument("--ar-weight", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
+    add_recipe_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:

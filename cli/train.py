@@ -21,13 +21,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mask-token-id", type=int, default=None)
     parser.add_argument("--epochs", type=float, default=3.0)
     parser.add_argument("--max-steps", type=int, default=-1)
+    add_recipe_arguments(parser)
+
+
+def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
+    """The optimisation and objective settings shared by `train` and `prune` (its recovery training)."""
     parser.add_argument("--learning-rate", type=float, default=1e-5)
     parser.add_argument("--min-learning-rate", type=float, default=1e-6)
     parser.add_argument("--global-batch-size", type=int, default=16)
     parser.add_argument("--per-device-batch-size", type=int, default=1)
-    parser.add_argument("--num-anchors", type=int, default=128)
-    parser.add_argument("--gamma", type=float, default=7.0)
-    parser.add_argument("--ar-weight", type=float, default=1.0)
+    parser.add_argument("--num-anchors", type=int, default=128, help="K: diffusion blocks per example")
+    parser.add_argument("--gamma", type=float, default=7.0, help="position-weight decay (DFlash's value for B=16)")
+    parser.add_argument("--ar-weight", type=float, default=1.0, help="lambda: weight of the AR loss")
     parser.add_argument("--seed", type=int, default=0)
 
 
