@@ -3,6 +3,7 @@
 import argparse
 from pathlib import Path
 
+from benchmark.report import markdown
 from quickstart.pipeline import MICRO, QuickstartSizes, run_quickstart
 
 
@@ -13,5 +14,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     results = run_quickstart(Path(args.output), MICRO if args.micro else QuickstartSizes())
+    print(markdown(results))
     lossless = all(row["lossless"] for s in results["prompt_sets"].values() for row in s["methods"])
     return 0 if lossless else 1

@@ -99,7 +99,7 @@ def _drafter_args(output_dir: Path, sizes: QuickstartSizes, steps: int) -> D3DTr
 
 
 def run_quickstart(output: Path, sizes: QuickstartSizes = QuickstartSizes()) -> dict:
-    """Run (or resume) every stage into `output`; returns the benchmark results."""
+    """Run (or resume) every stage into `output`; returns the benchmark results (also in `bench.json`/`bench.md`)."""
     output.mkdir(parents=True, exist_ok=True)
     (output / "sizes.json").write_text(json.dumps(asdict(sizes), indent=2))
     texts = training_texts(sizes.corpus_bytes)
@@ -143,13 +143,12 @@ def run_quickstart(output: Path, sizes: QuickstartSizes = QuickstartSizes()) -> 
         "pydoc": [torch.tensor([tokenizer(p)["input_ids"]]) for p in pydoc_prompts()[: sizes.bench_pydoc_prompts]],
     }
     results = benchmark(target, drafter, prompt_sets, sizes.bench_new_tokens, assistant)
-    table = report.write(results, output)
+    report.write(results, output)
     write_model_card(
         final, drafter_config=drafter.config, target=str(output / "target"), repo=str(final), bench=results,
         training=(f"{sizes.drafter_steps} steps of L_diff + L_AR on {len(train_data)} target-regenerated responses to "
                   f"standard-library function prompts, then acceptance-guided pruning ({sizes.prune_stages} stage)"),
     )
-    print(table)
     return results
 
 
