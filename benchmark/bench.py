@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from transformers.cache_utils import DynamicCache
 
 from modeling_d3d.async_d3d import DEFAULT_FANOUT, D3DAssistedGenerator
+from modeling_d3d.speculative_d3d import synchronize
 
 from .measure import MethodRun, decode_one
 
@@ -37,8 +38,7 @@ def target_forward_seconds(target, tokens: int, prefix_length: int = 256, repeat
     for _ in range(repeats + 2):
         start = time.perf_counter()
         target(new, past_key_values=cache, use_cache=True)
-        if target.device.type == "cuda":
-            torch.cuda.synchronize(target.device)
+        synchronize(target.device)
         times.append(time.perf_counter() - start)
         cache.crop(-tokens)
     return statistics.median(times[2:])

@@ -7,6 +7,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers.generation.streamers import BaseStreamer
 
+from modeling_d3d.speculative_d3d import synchronize
+
 
 class RoundCounter(BaseStreamer):
     """Counts the target's verification rounds: `generate` puts the prompt once, then each round's new tokens."""
@@ -51,25 +53,19 @@ class MethodRun:
         return self.cache_hits / self.lookups if self.lookups else None
 
 
-def _synchronize(model) -> None:
-    device = next(model.parameters()).device
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def decode_one(target, prompt: torch.Tensor, max_new_tokens: int, run: MethodRun, **generate_kwargs) -> None:
     """Greedy-decode `prompt` `(1, L)` with `target.generate(**generate_kwargs)`; add time, tokens, rounds (counted by
     a streamer, the same way for every method) and, for D3D assistants, cache hits to `run`."""
     assistant = generate_kwargs.get("assistant_model")
     counter = RoundCounter()
-    _synchronize(target)
+    synchronize(target.device)
     start = time.perf_counter()
     output = target.generate(
         prompt.to(target.device), max_new_tokens=max_new_tokens, do_sample=False, streamer=counter, **generate_kwargs
     )
     if hasattr(assistant, "wait"):  # an async generator's last queued pass is charged to it, not to the next method
         assistant.wait()
-    _synchronize(target)
+    synchronize(target.device)
     run.seconds += time.perf_counter() - start
     new = output[0, prompt.shape[1] :].tolist()
     run.outputs.append(new)

@@ -17,10 +17,16 @@ from transformers import LogitsProcessorList
 from transformers.cache_utils import DynamicCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .speculative_d3d import SpeculativeStats
+from .speculative_d3d import SpeculativeStats, synchronize
 
 DEFAULT_COVERAGE = 12
 DEFAULT_FANOUT = 2
+
+
+def check_budget(block_size: int, coverage: int, fanout: int) -> None:
+    """Raise `ValueError` unless `1 <= coverage <= block_size` and `fanout >= 0`."""
+    if not 1 <= coverage <= block_size or fanout < 0:
+        raise ValueError(f"coverage must be in 1..{block_size} and fanout >= 0, got coverage={coverage}, fanout={fanout}")
 
 
 class _Session:
@@ -31,7 +37,6 @@ class _Session:
     """
 
     def __init__(self, generator: "D3DAssistedGenerator", prompt: torch.Tensor, logits_processor, do_sample: bool):
-        self.generator = generator
         self.cache = DynamicCache(config=generator.config)
         self.cached_ids: list[int] = []
         self.logits_processor = LogitsProcessorList(logits_processor or [])
@@ -81,8 +86,7 @@ class D3DAssistedGenerator:
     ):
         block_size = drafter.config.block_size
         coverage = min(DEFAULT_COVERAGE, block_size) if coverage is None else coverage
-        if not 1 <= coverage <= block_size or fanout < 0:
-            raise ValueError(f"coverage must be in 1..{block_size} and fanout >= 0, got coverage={coverage}, fanout={fanout}")
+        check_budget(block_size, coverage, fanout)
         self.drafter = drafter.to(device) if device is not None else drafter
         self.coverage = coverage
         self.fanout = fanout
@@ -184,8 +188,7 @@ class D3DAssistedGenerator:
             session.logits_processor, session.do_sample, session.rng,
         )
         session.cached_ids = input_ids[0].tolist() + tokens[0].tolist()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)
         return {branch.key: branch for branch in branches}, time.perf_counter() - start
 
     def wait(self) -> None:
@@ -206,4 +209,4 @@ class D3DAssistedGenerator:
         self.close()
 
 
-__all__ = ["DEFAULT_COVERAGE", "DEFAULT_FANOUT", "D3DAssistedGenerator"]
+__all__ = ["DEFAULT_COVERAGE", "DEFAULT_FANOUT", "D3DAssistedGenerator", "check_budget"]

@@ -11,7 +11,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3Model
 from transformers.utils import ModelOutput, logging
 
-from .async_d3d import D3DAssistedGenerator
+from .async_d3d import D3DAssistedGenerator, check_budget
 from .configuration_d3d import D3DConfig
 from .masking_d3d import block_layout, create_block_diffusion_mask
 from .speculative_d3d import (
@@ -244,11 +244,7 @@ class D3DForBlockDiffusion(D3DPreTrainedModel, GenerationMixin):
         """
         batch, length = input_ids.shape
         cache = past_key_values if past_key_values is not None else DynamicCache(config=self.config)
-        cached = cache.get_seq_length()
-        if cached > length - 1:
-            raise ValueError(
-                f"The drafter cache holds {cached} tokens but the prefix before the anchor has only {length - 1}"
-            )
+        cached = _cached_prefix_length(cache, length)
         block_size = self.config.block_size
         device = self.model.embed_tokens.weight.device
         input_ids = input_ids.to(device)
@@ -292,12 +288,9 @@ class D3DForBlockDiffusion(D3DPreTrainedModel, GenerationMixin):
         drafts (callers crop what verification rejects). Budget: `block_size * ((coverage - 1) * fanout + 2)`.
         """
         block_size = self.config.block_size
-        if not 1 <= coverage <= block_size or fanout < 0:
-            raise ValueError(f"coverage must be in 1..{block_size} and fanout >= 0, got coverage={coverage}, fanout={fanout}")
+        check_budget(block_size, coverage, fanout)
         length, drafted = input_ids.shape[1], draft_tokens.shape[1]
-        cached = past_key_values.get_seq_length()
-        if cached > length - 1:
-            raise ValueError(f"The drafter cache holds {cached} tokens but the prefix before the anchor has only {length - 1}")
+        cached = _cached_prefix_length(past_key_values, length)
         device = self.model.embed_tokens.weight.device
         input_ids, draft_tokens, draft_logits = input_ids.to(device), draft_tokens.to(device), draft_logits.to(device)
 
@@ -381,6 +374,14 @@ class D3DForBlockDiffusion(D3DPreTrainedModel, GenerationMixin):
         drafter = cls(config).to(device=parameter.device, dtype=parameter.dtype)
         drafter.load_state_dict(model_or_path.state_dict(), strict=True)
         return drafter
+
+
+def _cached_prefix_length(cache: DynamicCache, length: int) -> int:
+    """Tokens `cache` holds, checked to fit before the anchor of a `length`-token prefix."""
+    cached = cache.get_seq_length()
+    if cached > length - 1:
+        raise ValueError(f"The drafter cache holds {cached} tokens but the prefix before the anchor has only {length - 1}")
+    return cached
 
 
 def propose(

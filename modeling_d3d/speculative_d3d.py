@@ -138,7 +138,8 @@ class SpeculativeStats:
         return sum(r.verify_seconds for r in self.rounds_drafted if r.verify_seconds is not None)
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for queued work on `device` (CUDA runs asynchronously), so wall-clock timings are real."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -164,7 +165,7 @@ def propose_for_assisted_generation(drafter, input_ids: torch.LongTensor, genera
         logits_processor=LogitsProcessorList(logits_processor or []),
         do_sample=generation_config.do_sample,
     )
-    _synchronize(device)
+    synchronize(device)
     keep = min(draft.tokens.shape[1], kwargs.get("max_new_tokens") or draft.tokens.shape[1])
     stats.record_draft(input_ids.shape[1], draft.tokens[:, :keep], time.perf_counter() - start)
     return GenerateDecoderOnlyOutput(
@@ -193,4 +194,4 @@ def check_compatibility(drafter, target, target_tokenizer=None, drafter_tokenize
         drafter.config.check_mask_token(target_tokenizer)
 
 
-__all__ = ["DraftRound", "SpeculativeStats", "check_compatibility", "assisted_generation_config", "propose_for_assisted_generation"]
+__all__ = ["DraftRound", "SpeculativeStats", "synchronize", "check_compatibility", "assisted_generation_config", "propose_for_assisted_generation"]
