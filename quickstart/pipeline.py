@@ -10,7 +10,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen3ForCausalLM
+from datasets import Dataset
+from transformers import AutoTokenizer, Qwen3ForCausalLM
 
 from benchmark import report
 from benchmark.bench import benchmark
@@ -72,12 +73,9 @@ def _done(folder: Path) -> bool:
     return (folder / "config.json").exists()
 
 
-def _causal_lm(name: str, size: ModelSize, tokenizer, output: Path, sizes: QuickstartSizes, texts) -> Qwen3ForCausalLM:
-    folder = output / name
-    if _done(folder):
-        return Qwen3ForCausalLM.from_pretrained(folder).eval()
-    config = causal_lm_config(tokenizer, sizes.vocab_size, size.hidden, size.layers, size.heads, size.kv_heads, size.mlp)
-    dataset = chunked_dataset(tokenizer, texts, sizes.sequence_length).shuffle(seed=0)
+def _causal_lm(folder: Path, size: ModelSize, tokenizer, vocab_size: int, dataset: Dataset) -> None:
+    """Train a causal LM from scratch on `dataset` (its first rows held out for perplexity) and save it."""
+    config = causal_lm_config(tokenizer, vocab_size, size.hidden, size.layers, size.heads, size.kv_heads, size.mlp)
     held_out = dataset.select(range(min(64, len(dataset) // 10)))
     model = pretrain(config, dataset.select(range(len(held_out), len(dataset))), folder, size.steps, size.batch_size,
                      size.learning_rate)
@@ -85,7 +83,6 @@ def _causal_lm(name: str, size: ModelSize, tokenizer, output: Path, sizes: Quick
     tokenizer.save_pretrained(folder)
     (folder / "perplexity.json").write_text(json.dumps({"held_out_perplexity": perplexity(model, held_out)}))
     shutil.rmtree(folder / "checkpoints", ignore_errors=True)
-    return model
 
 
 def _drafter_args(output_dir: Path, sizes: QuickstartSizes, steps: int) -> D3DTrainingArguments:
@@ -109,8 +106,13 @@ def run_quickstart(output: Path, sizes: QuickstartSizes = QuickstartSizes()) -> 
     else:
         tokenizer = train_tokenizer(texts, sizes.vocab_size)
         tokenizer.save_pretrained(output / "tokenizer")
-    target = _causal_lm("target", sizes.target, tokenizer, output, sizes, texts)
-    assistant = _causal_lm("assistant", sizes.assistant, tokenizer, output, sizes, texts)
+    models = {"target": sizes.target, "assistant": sizes.assistant}
+    if not all(_done(output / name) for name in models):
+        dataset = chunked_dataset(tokenizer, texts, sizes.sequence_length).shuffle(seed=0)
+        for name, size in models.items():
+            if not _done(output / name):
+                _causal_lm(output / name, size, tokenizer, sizes.vocab_size, dataset)
+    target, assistant = (Qwen3ForCausalLM.from_pretrained(output / name).eval() for name in models)
 
     prompts = function_prompts(sizes.drafter_prompts)
     data = generate_responses(target, tokenizer, prompts, output / "data", batch_size=16,
