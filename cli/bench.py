@@ -7,8 +7,8 @@ import torch
 
 from benchmark import report
 from benchmark.bench import benchmark
+from benchmark.prompts import encode_prompt
 from modeling_d3d import D3DForBlockDiffusion
-from trainer.data import encode_prompt
 
 from .loading import load_target, read_prompts
 

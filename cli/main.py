@@ -1,31 +1,45 @@
-"""Entry point of the `d3d` command: one subcommand per module of this package."""
+"""Entry point of the `d3d` command: one subcommand per module of this package.
+
+Only the chosen command's module is imported, so `d3d bench` runs with the inference install alone (no training
+extras such as `datasets`).
+"""
 
 import argparse
+import importlib
 import sys
 
-from . import bench, demo, generate_data, prune, quickstart, train
-
 COMMANDS = {
-    "quickstart": (quickstart, "the embedded default end to end: target, assistant, drafter, benchmark"),
-    "demo": (demo, "speculative decoding on tiny random models, checked against the target"),
-    "generate-data": (generate_data, "regenerate responses with the target (resumable)"),
-    "train": (train, "train a D3D drafter for a target (diffusion + AR loss)"),
-    "prune": (prune, "acceptance-guided layer pruning with distillation recovery"),
-    "bench": (bench, "D3D beside its peers on the same prompts, in one process"),
+    "quickstart": ("quickstart", "the embedded default end to end: target, assistant, drafter, benchmark"),
+    "demo": ("demo", "speculative decoding on tiny random models, checked against the target"),
+    "generate-data": ("generate_data", "regenerate responses with the target (resumable)"),
+    "train": ("train", "train a D3D drafter for a target (diffusion + AR loss)"),
+    "prune": ("prune", "acceptance-guided layer pruning with distillation recovery"),
+    "bench": ("bench", "D3D beside its peers on the same prompts, in one process"),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def command_module(name: str):
+    return importlib.import_module(f".{COMMANDS[name][0]}", __package__)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `d3d` parser; only `command`'s own arguments are loaded (every command's, when it is None)."""
     parser = argparse.ArgumentParser(prog="d3d", description="D3D: decoupled diffusion drafting for speculative decoding")
     commands = parser.add_subparsers(dest="command", required=True)
-    for name, (module, help_text) in COMMANDS.items():
-        module.add_arguments(commands.add_parser(name, help=help_text, description=module.__doc__))
+    for name, (_, help_text) in COMMANDS.items():
+        if command is None or name == command:
+            module = command_module(name)
+            module.add_arguments(commands.add_parser(name, help=help_text, description=module.__doc__))
+        else:
+            commands.add_parser(name, help=help_text)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return COMMANDS[args.command][0].run(args)
+    argv = sys.argv[1:] if argv is None else argv
+    chosen = next((arg for arg in argv if not arg.startswith("-")), None)
+    args = build_parser(chosen if chosen in COMMANDS else None).parse_args(argv)
+    return command_module(args.command).run(args)
 
 
 if __name__ == "__main__":

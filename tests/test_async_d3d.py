@@ -224,3 +224,20 @@ def test_the_generator_is_only_an_assistant():
     _, drafter = pair(0, 0, 4, 6)
     with drafter.async_generator() as generator, pytest.raises(ValueError, match="assistant_model=generator"):
         generator.generate(torch.tensor([[1, 2]]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("target_device", ["cpu", "cuda"])
+def test_greedy_output_is_identical_with_the_drafter_on_a_gpu(target_device):
+    generator_seed = torch.Generator().manual_seed(0)
+    target, drafter = pair(0, 0, block_size=5, vocab_size=6)
+    target = target.to(target_device)
+    hits = 0
+    with drafter.async_generator(device="cuda", coverage=4, fanout=2) as generator:
+        for prompt_length in (1, 7, 19):
+            prompt = torch.randint(0, 6, (1, prompt_length), generator=generator_seed).to(target_device)
+            reference = target.generate(prompt, max_new_tokens=40, do_sample=False)
+            speculative = target.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=generator)
+            assert torch.equal(reference, speculative)
+            hits += generator.generation_stats.settle(speculative).cache_hits
+    assert hits > 0
