@@ -5,6 +5,7 @@ prompt-lookup decoding; D3D synchronous; D3D asynchronous at the default (C, F) 
 measured first on a few prompts. Every method is warmed up first and every output is checked against the target's.
 """
 
+import platform
 import statistics
 import time
 from dataclasses import dataclass
@@ -89,6 +90,18 @@ def summarize(runs: list[MethodRun], t1: float, tb: float) -> list[dict]:
     return rows
 
 
+def hardware(target_device: torch.device, drafter_device: torch.device) -> str:
+    """Where the numbers were measured, e.g. `"NVIDIA H200 (target), NVIDIA H200 (drafter)"` or `"CPU, 2 cores"`."""
+
+    def name(device: torch.device) -> str:
+        if device.type == "cuda":
+            return torch.cuda.get_device_name(device)
+        return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+
+    target, drafter = name(target_device), name(drafter_device)
+    return target if target == drafter else f"{target} (target), {drafter} (drafter)"
+
+
 def benchmark(
     target,
     drafter,
@@ -106,7 +119,8 @@ def benchmark(
     sweep = sweep_budgets(target, drafter, first_set[:sweep_prompts], max_new_tokens, grid)
     best = max(sweep, key=lambda row: row["tokens_per_second"])
     t1, tb = target_forward_seconds(target, 1), target_forward_seconds(target, block_size)
-    results = {"max_new_tokens": max_new_tokens, "block_size": block_size, "t1_seconds": t1, "tb_seconds": tb,
+    results = {"hardware": hardware(target.device, drafter.device), "max_new_tokens": max_new_tokens,
+               "block_size": block_size, "t1_seconds": t1, "tb_seconds": tb,
                "sweep": sweep, "best_budget": {"coverage": best["coverage"], "fanout": best["fanout"]}, "prompt_sets": {}}
     with D3DAssistedGenerator(drafter, coverage=default_coverage, fanout=DEFAULT_FANOUT) as default_async, \
             D3DAssistedGenerator(drafter, coverage=best["coverage"], fanout=best["fanout"]) as best_async:

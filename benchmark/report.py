@@ -32,7 +32,8 @@ def markdown(results: dict) -> str:
         lines.append(f"| {row['coverage']} | {row['fanout']} | {row['budget']} | {row['tokens_per_second']:.1f} | "
                      f"{row['tau']:.2f} | {_percent(row['hit_rate'])} |")
     lines.append(f"\nTarget forward: t(1) = {1000 * results['t1_seconds']:.2f} ms, t(B={results['block_size']}) = "
-                 f"{1000 * results['tb_seconds']:.2f} ms over a 256-token cached prefix.")
+                 f"{1000 * results['tb_seconds']:.2f} ms over a 256-token cached prefix. Measured on: "
+                 f"{results.get('hardware', 'hardware not recorded')}.")
     return "\n".join(lines) + "\n"
 
 

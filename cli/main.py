@@ -15,6 +15,7 @@ COMMANDS = {
     "train": ("train", "train a D3D drafter for a target (diffusion + AR loss)"),
     "prune": ("prune", "acceptance-guided layer pruning with distillation recovery"),
     "bench": ("bench", "D3D beside its peers on the same prompts, in one process"),
+    "push": ("push", "publish a drafter folder with its model card to the Hugging Face Hub"),
 }
 
 

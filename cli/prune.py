@@ -7,6 +7,7 @@ import torch
 
 from modeling_d3d import D3DForBlockDiffusion
 from trainer.data import load_responses
+from trainer.provenance import record_pruning
 from trainer.pruning import prune
 
 from .loading import load_target
@@ -40,5 +41,6 @@ def run(args: argparse.Namespace) -> int:
         args.min_layers, args.min_tau_fraction, args.max_new_tokens,
     )
     tokenizer.save_pretrained(f"{args.output}/drafter")
+    record_pruning(args.drafter, f"{args.output}/drafter")
     print((Path(args.output) / "pruning.md").read_text())
     return 0 if stages else 1

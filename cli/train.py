@@ -8,6 +8,7 @@ import torch
 from modeling_d3d import D3DForBlockDiffusion
 from trainer.d3d_trainer import D3DTrainer, D3DTrainingArguments
 from trainer.data import load_responses
+from trainer.provenance import DrafterProvenance
 
 from .loading import load_target
 
@@ -79,9 +80,16 @@ def run(args: argparse.Namespace) -> int:
         trainer.accelerator.unwrap_model(trainer.model).save_pretrained(args.output)
         tokenizer.save_pretrained(args.output)
         batch = trainer.args.per_device_train_batch_size
+        global_batch = batch * trainer.accelerator.num_processes * trainer.args.gradient_accumulation_steps
+        DrafterProvenance(
+            target=args.target, base_model=args.init or args.target,
+            training_data=f"{len(trainer.train_dataset)} target-regenerated responses from `{args.data}`",
+            recipe={"steps": result.global_step, "global batch": global_batch, "learning rate": args.learning_rate,
+                    "loss": f"L_diff (gamma {args.gamma}) + {args.ar_weight} L_AR", "anchors per example": args.num_anchors},
+        ).save(args.output)
         print(
             f"trained {result.global_step} steps on {trainer.accelerator.num_processes} process(es), global batch "
-            f"{batch * trainer.accelerator.num_processes * trainer.args.gradient_accumulation_steps}; final loss "
+            f"{global_batch}; final loss "
             f"{result.training_loss:.4f}; drafter saved to {args.output}"
         )
     return 0

@@ -1,8 +1,15 @@
-"""The drafter's model card, built with `huggingface_hub.ModelCard` from what the folder and the benchmark say."""
+"""The drafter's model card, built with `huggingface_hub.ModelCard` from what its folder and the benchmark say."""
 
 from pathlib import Path
 
-from huggingface_hub import ModelCard, ModelCardData
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+from benchmark.report import markdown
+from trainer.provenance import DrafterProvenance
+
+# Hub datasets behind the benchmark's prompt sets (pydoc prose ships with Python and has no Hub id).
+DATASETS = {"humaneval": "openai/openai_humaneval", "pydoc": "pydoc_data"}
+METRICS = {"tau": "acceptance length τ", "speedup": "speedup over the target", "hit_rate": "cache-hit rate"}
 
 USAGE = """```python
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
@@ -13,18 +20,82 @@ drafter = AutoModel.from_pretrained("{repo}", trust_remote_code=True)
 ids = tokenizer("def fibonacci(n):", return_tensors="pt").input_ids
 out = target.generate(ids, assistant_model=drafter, max_new_tokens=64, do_sample=False)
 print(tokenizer.decode(out[0]))
+
+# asynchronous drafting (the drafter prepares the next blocks while the target verifies):
+with drafter.async_generator() as generator:
+    out = target.generate(ids, assistant_model=generator, max_new_tokens=64, do_sample=False)
 ```"""
 
+LIMITATIONS = """## Limitations
 
-def build_model_card(drafter_config, target: str, repo: str, training: str, bench: dict | None = None) -> ModelCard:
-    """A card with base/target model, block size, depth, training recipe and benchmark tables."""
-    data = ModelCardData(library_name="transformers", base_model=target, pipeline_tag="text-generation",
-                         tags=["d3d", "speculative-decoding", "block-diffusion", "drafter"])
-    bench_section = ""
-    if bench is not None:
-        from benchmark.report import markdown
+- The output is exactly the target's (greedy: token-identical; sampling: the target's distribution); the drafter only
+  changes speed. Speed depends on the hardware and on how well the drafter matches the target on your prompts: the
+  figures above come from the hardware named with them.
+- The drafter must be used with the target's tokenizer (same vocabulary); its mask token must not be one of the
+  target's special tokens.
+- Through `generate(assistant_model=...)` the batch size is 1 (transformers' assisted generation).
+"""
 
-        bench_section = "## Benchmark\n\n" + markdown(bench)
+
+def eval_results(bench: dict) -> list[EvalResult]:
+    """`model-index` entries: τ, speedup and (asynchronous rows) hit rate of every D3D method per prompt set."""
+    hardware = bench.get("hardware", "hardware not recorded")
+    results = []
+    for set_name, prompt_set in bench["prompt_sets"].items():
+        for row in prompt_set["methods"]:
+            if not row["method"].startswith("D3D"):
+                continue
+            for key, label in METRICS.items():
+                if row.get(key) is None:
+                    continue
+                results.append(EvalResult(
+                    task_type="text-generation", task_name="Speculative decoding",
+                    dataset_type=DATASETS.get(set_name, set_name), dataset_name=set_name,
+                    metric_type=key, metric_value=round(float(row[key]), 4),
+                    metric_name=f"{label}, {row['method']} ({hardware})",
+                ))
+    return results
+
+
+def _hub_id(name: str) -> bool:
+    """Whether `name` reads as a Hub repo id (`owner/name`) rather than a local folder."""
+    return name.count("/") == 1 and not Path(name).exists() and not name.startswith((".", "/"))
+
+
+def build_model_card(folder: str | Path, repo: str, bench: dict | None = None, target: str | None = None) -> ModelCard:
+    """A card for the drafter in `folder` (its `config.json` and `d3d_training.json`), published as `repo`.
+
+    target: the target's Hub id for the usage snippet (default: the one recorded at training time).
+    """
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+    provenance = DrafterProvenance.load(folder)
+    target = target or (provenance.target if provenance else None)
+    if target is None:
+        raise ValueError(f"{folder} does not record its target model: name it (d3d push --target ORG/MODEL)")
+    base_model = provenance.base_model if provenance else None
+    data = ModelCardData(
+        model_name=repo.split("/")[-1], library_name="transformers", pipeline_tag="text-generation",
+        base_model=base_model if base_model and _hub_id(base_model) else None,
+        tags=["d3d", "speculative-decoding", "block-diffusion", "drafter"],
+        eval_results=eval_results(bench) if bench else None,
+    )
+    depth = config.num_hidden_layers
+    if provenance and provenance.layers_before_pruning:
+        pruning = (f"{provenance.pruning_stages} acceptance-guided pruning stage(s): "
+                   f"{provenance.layers_before_pruning} -> {depth} layers")
+    else:
+        pruning = "none"
+    training = ""
+    if provenance:
+        recipe = ", ".join(f"{key} {value}" for key, value in provenance.recipe.items()) or "not recorded"
+        training = (f"- initialised from: `{provenance.base_model}`\n- training data: {provenance.training_data}\n"
+                    f"- recipe: {recipe}\n")
+    benchmark = ""
+    if bench:
+        benchmark = (f"## Benchmark\n\nMeasured with `d3d bench` on {bench.get('hardware', 'hardware not recorded')}, "
+                     f"block size {bench['block_size']}.\n\n" + markdown(bench))
     text = f"""---
 {data.to_yaml()}
 ---
@@ -32,29 +103,27 @@ def build_model_card(drafter_config, target: str, repo: str, training: str, benc
 # D3D drafter for `{target}`
 
 A standalone block-diffusion drafter (D3D) for lossless speculative decoding: it proposes
-{drafter_config.block_size - 1} tokens per forward pass from token ids alone, and the target verifies them, so the
+{config.block_size - 1} tokens per forward pass from token ids alone, and the target verifies them, so the
 output is exactly the target's.
 
 - target model: `{target}`
-- block size: {drafter_config.block_size}; mask token id: {drafter_config.mask_token_id}
-- depth: {drafter_config.num_hidden_layers} layers
-- training: {training}
-
+- block size: {config.block_size}; mask token id: {config.mask_token_id}
+- depth: {depth} layers; pruning: {pruning}
+{training}
 ## Usage
+
+Requires `transformers>=5.23,<5.24` (the drafter's code ships with this repository: `trust_remote_code=True`).
 
 {USAGE.format(target=target, repo=repo)}
 
-{bench_section}
-## Limitations
-
-Speed depends on the hardware and on how well the drafter matches the target on your prompts; the figures above
-come from the machine named with them. Batch size is 1 through `generate(assistant_model=...)`.
-"""
+{benchmark}
+{LIMITATIONS}"""
     return ModelCard(text)
 
 
-def write_model_card(folder: Path, **kwargs) -> None:
-    build_model_card(**kwargs).save(folder / "README.md")
+def write_model_card(folder: str | Path, repo: str, bench: dict | None = None, target: str | None = None) -> None:
+    """Write the card of the drafter in `folder` to `folder/README.md`."""
+    build_model_card(folder, repo, bench, target).save(Path(folder) / "README.md")
 
 
-__all__ = ["build_model_card", "write_model_card"]
+__all__ = ["build_model_card", "eval_results", "write_model_card"]

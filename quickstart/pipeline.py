@@ -19,6 +19,7 @@ from hub_upload.model_card import write_model_card
 from modeling_d3d import D3DForBlockDiffusion
 from trainer.d3d_trainer import D3DTrainer, D3DTrainingArguments
 from trainer.data import generate_responses
+from trainer.provenance import DrafterProvenance, record_pruning
 from trainer.pruning import prune
 
 from .corpus import function_prompts, humaneval_prompts, pydoc_prompts, training_texts
@@ -127,6 +128,13 @@ def run_quickstart(output: Path, sizes: QuickstartSizes = QuickstartSizes()) -> 
         drafter = D3DForBlockDiffusion.from_backbone(target, block_size=sizes.block_size, tokenizer=tokenizer)
         D3DTrainer(drafter, _drafter_args(trained, sizes, sizes.drafter_steps), train_dataset=train_data).train()
         drafter.save_pretrained(trained)
+        DrafterProvenance(
+            target=str(output / "target"), base_model=str(output / "target"),
+            training_data=(f"{len(train_data)} target-regenerated responses to standard-library function prompts "
+                           "(the embedded quickstart corpus)"),
+            recipe={"steps": sizes.drafter_steps, "batch": sizes.drafter_batch_size,
+                    "learning rate": sizes.drafter_learning_rate, "loss": "L_diff + L_AR"},
+        ).save(trained)
     drafter.eval()
 
     final = output / "drafter"
@@ -138,6 +146,7 @@ def run_quickstart(output: Path, sizes: QuickstartSizes = QuickstartSizes()) -> 
               min_tau_fraction=0.0, max_new_tokens=sizes.response_tokens)
         shutil.copytree(pruning / "drafter", final)
         tokenizer.save_pretrained(final)
+        record_pruning(trained, final)
     drafter = D3DForBlockDiffusion.from_pretrained(final).eval()
 
     prompt_sets = {
@@ -146,11 +155,7 @@ def run_quickstart(output: Path, sizes: QuickstartSizes = QuickstartSizes()) -> 
     }
     results = benchmark(target, drafter, prompt_sets, sizes.bench_new_tokens, assistant)
     report.write(results, output)
-    write_model_card(
-        final, drafter_config=drafter.config, target=str(output / "target"), repo=str(final), bench=results,
-        training=(f"{sizes.drafter_steps} steps of L_diff + L_AR on {len(train_data)} target-regenerated responses to "
-                  f"standard-library function prompts, then acceptance-guided pruning ({sizes.prune_stages} stage)"),
-    )
+    write_model_card(final, repo=str(final), bench=results)
     return results
 
 

@@ -1,0 +1,137 @@
+"""`d3d push`: a drafter folder, its remote code and its model card reach a (local, mock) Hub intact."""
+
+import json
+from pathlib import Path
+
+import pytest
+from huggingface_hub import ModelCard
+
+from cli.main import main
+from conftest import run_without_project, tiny_drafter, word_tokenizer
+from hub_upload.push import PushError, push_drafter
+from mock_hub import MockHub
+from trainer.provenance import DrafterProvenance
+
+TOKEN = "hf_secret_test_token_0123456789"
+
+
+def bench_results(tau: float, speedup: float, hit_rate: float) -> dict:
+    """What `benchmark.bench.benchmark` returns, for one prompt set with a sync and an async D3D row."""
+    def row(method: str, hits: float | None) -> dict:
+        return {"method": method, "tokens_per_second": 100.0 * speedup, "speedup": speedup, "tau": tau,
+                "hit_rate": hits, "lossless": True, "ideal_speedup": None, "new_tokens": 64, "seconds": 1.0}
+
+    return {"hardware": "test CPU, 2 threads", "max_new_tokens": 32, "block_size": 5, "t1_seconds": 0.001,
+            "tb_seconds": 0.002, "sweep": [], "best_budget": {"coverage": 2, "fanout": 1},
+            "prompt_sets": {"humaneval": {"prompts": 4, "methods": [
+                row("target alone", None), row("D3D sync", None), row("D3D async C=2 F=1", hit_rate)]}}}
+
+
+@pytest.fixture
+def drafter_folder(tmp_path: Path) -> Path:
+    folder = tmp_path / "drafter"
+    tiny_drafter(seed=4, block_size=5).save_pretrained(folder)
+    word_tokenizer().save_pretrained(folder)
+    DrafterProvenance(target="org/target-lm", base_model="org/target-lm", training_data="64 regenerated responses",
+                      recipe={"steps": 10}, layers_before_pruning=3, pruning_stages=1).save(folder)
+    return folder
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in folder.iterdir()}
+
+
+def test_push_uploads_the_folder_and_a_card_that_round_trips(drafter_folder, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    before = snapshot(drafter_folder)
+    bench = bench_results(tau=3.25, speedup=1.75, hit_rate=0.4)
+    with MockHub() as hub:
+        assert main(["push", str(drafter_folder), "me/d3d-tiny", "--endpoint", hub.endpoint,
+                     "--bench", str(_write(tmp_path / "bench.json", bench))]) == 0
+    assert snapshot(drafter_folder) == before  # the source folder is never modified
+    assert list(hub.state.repos) == ["me/d3d-tiny"]
+    assert [path for _, path in hub.state.requests] == [
+        "/api/repos/create", "/api/validate-yaml", "/api/models/me/d3d-tiny/preupload/main",
+        "/api/models/me/d3d-tiny/commit/main",
+    ]
+    uploaded = hub.state.files["me/d3d-tiny"]
+    assert set(uploaded) == (set(before) - {"d3d_training.json"}) | {"README.md"}
+    assert all(uploaded[name] == before[name] for name in before if name != "d3d_training.json")
+    assert hub.state.authorizations == {f"Bearer {TOKEN}"}
+    assert TOKEN not in capsys.readouterr().out
+
+    published = tmp_path / "published"
+    published.mkdir()
+    for name, content in uploaded.items():
+        (published / name).write_bytes(content)
+    card = ModelCard.load(published / "README.md")
+    assert card.data.base_model == "org/target-lm"
+    values = {(r.dataset_name, r.metric_type, r.metric_name.split(",")[1].split("(")[0].strip()): r.metric_value
+              for r in card.data.eval_results}
+    assert values[("humaneval", "tau", "D3D sync")] == 3.25
+    assert values[("humaneval", "speedup", "D3D async C=2 F=1")] == 1.75
+    assert values[("humaneval", "hit_rate", "D3D async C=2 F=1")] == 0.4
+    assert ("humaneval", "hit_rate", "D3D sync") not in values
+    assert all("test CPU, 2 threads" in r.metric_name for r in card.data.eval_results)
+    assert "3 -> 2 layers" in card.text and 'from_pretrained("me/d3d-tiny", trust_remote_code=True)' in card.text
+
+    loaded = run_without_project(
+        """
+        from transformers import AutoModel
+        model = AutoModel.from_pretrained(sys.argv[1], trust_remote_code=True)
+        print(type(model).__name__, model.config.block_size)
+        """,
+        str(published), cwd=tmp_path,
+    )
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.split() == ["D3DForBlockDiffusion", "5"]
+
+
+def test_a_refused_commit_is_a_clear_error_and_leaves_nothing_behind(drafter_folder, tmp_path, monkeypatch):
+    staging_root = tmp_path / "tmp"
+    staging_root.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(staging_root))
+    before = snapshot(drafter_folder)
+    with MockHub() as hub:
+        hub.state.refuse_commits = True
+        with pytest.raises(PushError, match=r"me/d3d-tiny failed \(HTTP 403\).*rights"):
+            push_drafter(drafter_folder, "me/d3d-tiny", token=TOKEN, endpoint=hub.endpoint)
+    assert hub.state.files["me/d3d-tiny"] == {}
+    assert list(staging_root.iterdir()) == []
+    assert snapshot(drafter_folder) == before
+
+
+def test_dry_run_writes_the_folder_and_card_without_network(drafter_folder, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    output = tmp_path / "upload"
+    assert main(["push", str(drafter_folder), "me/d3d-tiny", "--dry-run", str(output)]) == 0
+    assert {p.name for p in output.iterdir()} == (set(snapshot(drafter_folder)) - {"d3d_training.json"}) | {"README.md"}
+    card = ModelCard.load(output / "README.md")
+    assert card.data.eval_results is None and "org/target-lm" in card.text
+
+
+def test_a_folder_that_would_not_load_is_refused(drafter_folder, tmp_path):
+    (drafter_folder / "modeling_d3d.py").unlink()
+    with pytest.raises(ValueError, match="modeling_d3d.py is missing"):
+        push_drafter(drafter_folder, "me/d3d-tiny", token=TOKEN, endpoint="http://127.0.0.1:9")
+
+
+def test_no_token_is_a_clear_error(drafter_folder, tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-home"))
+    with pytest.raises(PushError, match="No Hugging Face token"):
+        push_drafter(drafter_folder, "me/d3d-tiny", endpoint="http://127.0.0.1:9")
+
+
+def test_a_drafter_without_a_recorded_target_needs_one(drafter_folder, tmp_path):
+    (drafter_folder / "d3d_training.json").unlink()
+    with pytest.raises(ValueError, match="does not record its target"):
+        main(["push", str(drafter_folder), "me/d3d-tiny", "--dry-run", str(tmp_path / "out")])
+    assert main(["push", str(drafter_folder), "me/d3d-tiny", "--dry-run", str(tmp_path / "out"),
+                 "--target", "org/other-lm"]) == 0
+    assert 'AutoModelForCausalLM.from_pretrained("org/other-lm")' in (tmp_path / "out" / "README.md").read_text()
+
+
+def _write(path: Path, data: dict) -> Path:
+    path.write_text(json.dumps(data))
+    return path

@@ -1,0 +1,45 @@
+"""What a drafter folder says about how it was made (`d3d_training.json`), for its model card."""
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+PROVENANCE = "d3d_training.json"
+
+
+@dataclass
+class DrafterProvenance:
+    """target: the model it drafts for; base_model: what its weights were initialised from; training_data and
+    recipe: what it learned from and how; layers_before_pruning / pruning_stages: acceptance-guided pruning."""
+
+    target: str
+    base_model: str
+    training_data: str
+    recipe: dict = field(default_factory=dict)
+    layers_before_pruning: int | None = None
+    pruning_stages: int = 0
+
+    def save(self, folder: str | Path) -> None:
+        (Path(folder) / PROVENANCE).write_text(json.dumps(asdict(self), indent=1))
+
+    @classmethod
+    def load(cls, folder: str | Path) -> "DrafterProvenance | None":
+        """The folder's provenance, or None when it has none."""
+        path = Path(folder) / PROVENANCE
+        return cls(**json.loads(path.read_text())) if path.exists() else None
+
+
+def _depth(folder: str | Path) -> int:
+    return json.loads((Path(folder) / "config.json").read_text())["num_hidden_layers"]
+
+
+def record_pruning(source: str | Path, pruned: str | Path) -> None:
+    """Give the pruned drafter in `pruned` the provenance of `source`, plus the layers pruning removed (one a stage)."""
+    provenance = DrafterProvenance.load(source) or DrafterProvenance("not recorded", "not recorded", "not recorded")
+    before, after = _depth(source), _depth(pruned)
+    provenance.layers_before_pruning = provenance.layers_before_pruning or before
+    provenance.pruning_stages += before - after
+    provenance.save(pruned)
+
+
+__all__ = ["PROVENANCE", "DrafterProvenance", "record_pruning"]
