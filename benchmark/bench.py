@@ -83,6 +83,7 @@ def summarize(runs: list[MethodRun], t1: float, tb: float) -> list[dict]:
             "tau": run.tau,
             "hit_rate": run.hit_rate,
             "lossless": run.outputs == reference.outputs,
+            "identical_outputs": sum(a == b for a, b in zip(run.outputs, reference.outputs)),
             "ideal_speedup": run.tau * t1 / tb if run.name.startswith("D3D") else None,
             "new_tokens": run.new_tokens,
             "seconds": run.seconds,

@@ -12,6 +12,13 @@ def _times(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
+def _identical(row: dict, prompts: int) -> str:
+    """`yes` when every output equals the target's, else how many did (`NO (17/20)`)."""
+    if row["lossless"]:
+        return "yes"
+    return f"NO ({row['identical_outputs']}/{prompts})" if "identical_outputs" in row else "NO"
+
+
 def markdown(results: dict) -> str:
     """Tables (one per prompt set) and the (C, F) sweep."""
     lines = []
@@ -24,7 +31,7 @@ def markdown(results: dict) -> str:
         for row in prompt_set["methods"]:
             lines.append(
                 f"| {row['method']} | {row['tokens_per_second']:.1f} | {row['speedup']:.2f}x | {row['tau']:.2f} | "
-                f"{_percent(row['hit_rate'])} | {'yes' if row['lossless'] else 'NO'} | {_times(row['ideal_speedup'])} |"
+                f"{_percent(row['hit_rate'])} | {_identical(row, prompt_set['prompts'])} | {_times(row['ideal_speedup'])} |"
             )
         lines.append("")
     lines += ["### D3D async budget sweep", "", "| C | F | budget (tokens) | tok/s | τ | cache hits |", "|---|---|---|---|---|---|"]

@@ -37,13 +37,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--sweep", default=None, help="(C, F) grid for the async sweep, e.g. 4x2,8x1,12x2")
     parser.add_argument("--output", default=None, help="folder for bench.json, bench.md, bench.png")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                        help="auto: bfloat16 on GPUs that run it, float32 elsewhere. Token identity with the target "
+                             "holds exactly in float32; in bfloat16, verifying several tokens in one pass rounds "
+                             "differently from one-token steps, so near-ties can flip (for every speculative method)")
 
 
 def run(args: argparse.Namespace) -> int:
-    target, tokenizer = load_target(args.target)
+    target, tokenizer = load_target(args.target, dtype=None if args.dtype == "auto" else getattr(torch, args.dtype))
     drafter = D3DForBlockDiffusion.from_pretrained(args.drafter, dtype=target.dtype).to(target.device).eval()
     drafter.check_compatibility(target, tokenizer)
-    assistant = load_target(args.assistant)[0].to(target.device) if args.assistant else None
+    assistant = load_target(args.assistant, dtype=target.dtype)[0].to(target.device) if args.assistant else None
     sets = {
         Path(name).stem: [torch.tensor([encode_prompt(tokenizer, text)]) for text in prompt_set(name)[: args.num_prompts]]
         for name in args.prompts.split(",")

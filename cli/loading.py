@@ -12,10 +12,10 @@ def default_dtype() -> torch.dtype:
     return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
 
 
-def load_target(path: str, device_map: str | None = None):
-    """A target causal LM and its tokenizer from a folder or Hub id."""
+def load_target(path: str, device_map: str | None = None, dtype: torch.dtype | None = None):
+    """A target causal LM and its tokenizer from a folder or Hub id (dtype: default `default_dtype()`)."""
     device_map = device_map or ("auto" if torch.cuda.is_available() else None)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=default_dtype(), device_map=device_map).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or default_dtype(), device_map=device_map).eval()
     return model, AutoTokenizer.from_pretrained(path)
 
 

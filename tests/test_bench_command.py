@@ -16,13 +16,14 @@ def test_bench_command_writes_table_json_and_plot(tmp_path, capsys):
     prompts.write_text("\n".join(json.dumps({"prompt": f"w{i} w{i + 3} w{i + 7}"}) for i in range(3)))
     code = main(["bench", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
                  "--assistant", str(tmp_path / "assistant"), "--prompts", str(prompts), "--max-new-tokens", "12",
-                 "--sweep", "1x0,2x1", "--output", str(tmp_path / "bench")])
+                 "--sweep", "1x0,2x1", "--dtype", "float32", "--output", str(tmp_path / "bench")])
     assert code == 0
     table = capsys.readouterr().out
     assert "| D3D sync |" in table and "| HF assisted, AR assistant |" in table and "budget sweep" in table
     results = json.loads((tmp_path / "bench" / "bench.json").read_text())
     methods = results["prompt_sets"]["prompts"]["methods"]
     assert [m["method"] for m in methods][:2] == ["target alone", "HF assisted, AR assistant"]
-    assert all(m["lossless"] for m in methods) and methods[0]["speedup"] == 1.0
+    assert all(m["lossless"] and m["identical_outputs"] == 3 for m in methods) and methods[0]["speedup"] == 1.0
+    assert results["hardware"]
     assert [(r["coverage"], r["fanout"]) for r in results["sweep"]] == [(1, 0), (2, 1)]
     assert (tmp_path / "bench" / "bench.png").stat().st_size > 0
