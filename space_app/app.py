@@ -12,11 +12,11 @@ import gradio as gr
 if __package__:
     from .decoding import MAX_FANOUT, MAX_NEW_TOKENS, MAX_TEMPERATURE, Settings, compare_live, prepare_request, whole_number
     from .loading import add_arguments, devices, load_models, model_sources
-    from .render import accepted_length_frame, legend_html, stats_html, tokens_html
+    from .render import legend_html, rounds_svg, stats_html, tokens_html
 else:  # beside its modules as the root of a Space
     from decoding import MAX_FANOUT, MAX_NEW_TOKENS, MAX_TEMPERATURE, Settings, compare_live, prepare_request, whole_number
     from loading import add_arguments, devices, load_models, model_sources
-    from render import accepted_length_frame, legend_html, stats_html, tokens_html
+    from render import legend_html, rounds_svg, stats_html, tokens_html
 
 INTRO = """# D3D: Decoupled Diffusion Drafting
 The drafter proposes a block of `b - 1` tokens in one forward pass; the target verifies it (lossless: greedy output is
@@ -38,7 +38,10 @@ def build_demo(target, drafter, tokenizer, concurrency_limit: int = 2) -> gr.Blo
         except (TypeError, ValueError) as error:
             raise gr.Error(str(error)) from error
         for alone, d3d in compare_live(target, drafter, tokenizer, prompt_ids, settings):
-            yield tokens_html(alone, "target"), tokens_html(d3d, "d3d"), stats_html(alone, d3d), accepted_length_frame(d3d)
+            yield (
+                tokens_html(alone, "target"), tokens_html(d3d, "d3d"), stats_html(alone, d3d),
+                rounds_svg(d3d, trained_block_size),
+            )
 
     with gr.Blocks(title="D3D: Decoupled Diffusion Drafting") as demo:
         gr.Markdown(INTRO)
@@ -69,10 +72,7 @@ def build_demo(target, drafter, tokenizer, concurrency_limit: int = 2) -> gr.Blo
                 gr.Markdown("### D3D async")
                 d3d_text = gr.HTML(tokens_html(None, "d3d"), elem_id="d3d-text")
         stats = gr.HTML(stats_html(None, None), elem_id="stats")
-        plot = gr.BarPlot(
-            accepted_length_frame(None), x="round", y="tokens added", color="served", y_lim=[0, trained_block_size],
-            title="D3D: tokens added per round (accepted drafts + the target's token)", elem_id="rounds-plot",
-        )
+        plot = gr.HTML(rounds_svg(None, trained_block_size), elem_id="rounds-plot")
         inputs = [prompt, block_size, coverage, fanout, temperature, max_new_tokens]
         outputs = [target_text, d3d_text, stats, plot]
         gr.on(

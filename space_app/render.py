@@ -1,4 +1,4 @@
-"""How the Space draws a decode: coloured token spans, a statistics table, the per-round accepted lengths.
+"""How the Space draws a decode: coloured token spans, a statistics table, a bar chart of the rounds (SVG).
 
 Every token is a `<span class="d3d-token d3d-KIND" data-kind="KIND">`, KIND one of `draft` (an accepted draft token
 from a drafting pass), `cache` (an accepted draft token of a round served from a cache hit) and `target` (the
@@ -7,8 +7,6 @@ target's own token). Statistics cells carry `data-stat="COLUMN-NAME"` so that a 
 
 import html
 import math
-
-import pandas as pd
 
 if __package__:
     from .decoding import CACHE, DRAFT, TARGET, LiveDecode
@@ -20,6 +18,7 @@ KINDS = {
     CACHE: ("accepted draft token, served from a cache hit", "#bbf7d0"),
     TARGET: ("the target's own token", "#fde68a"),
 }
+SERVED_COLOURS = {"cache hit": "#22c55e", "drafting pass": "#3b82f6", "no draft": "#f59e0b"}
 TEXT_STYLE = "white-space: pre-wrap; font-family: ui-monospace, monospace; line-height: 1.7; color: #111827"
 
 
@@ -91,16 +90,37 @@ def stats_html(alone: LiveDecode | None, d3d: LiveDecode | None) -> str:
     )
 
 
-def accepted_length_frame(d3d: LiveDecode | None) -> pd.DataFrame:
-    """One row per D3D round: `round` (1..), `tokens added` (the target's token included), `served` (see `Round`)."""
+def rounds_svg(d3d: LiveDecode | None, block_size: int) -> str:
+    """A bar per D3D round (`<rect data-round data-added data-served>`): its height the tokens the round added (the
+    target's token included, 1..`block_size`), its colour how its draft was served (`SERVED_COLOURS`)."""
     rounds = [] if d3d is None else d3d.rounds
-    return pd.DataFrame(
-        {
-            "round": list(range(1, len(rounds) + 1)),
-            "tokens added": [len(round_.tokens) for round_ in rounds],
-            "served": [round_.served for round_ in rounds],
-        }
+    slots, bar, unit, left, top = max(len(rounds), 32), 10, 16, 28, 8
+    width, height = left + slots * bar + 4, top + block_size * unit + 22
+    baseline = top + block_size * unit
+    parts = [f'<line x1="{left}" y1="{baseline}" x2="{width}" y2="{baseline}" stroke="#6b7280"/>']
+    for level in range(1, block_size + 1):
+        y = baseline - level * unit
+        parts.append(f'<line x1="{left}" y1="{y}" x2="{width}" y2="{y}" stroke="#e5e7eb"/>')
+        parts.append(f'<text x="{left - 6}" y="{y + 4}" text-anchor="end" font-size="10">{level}</text>')
+    tick = 10 if slots <= 200 else 50
+    for index, round_ in enumerate(rounds, start=1):
+        added, x = len(round_.tokens), left + (index - 1) * bar
+        parts.append(
+            f'<rect data-round="{index}" data-added="{added}" data-served="{round_.served}" x="{x + 1}" '
+            f'y="{baseline - added * unit}" width="{bar - 2}" height="{added * unit}" '
+            f'fill="{SERVED_COLOURS[round_.served]}"><title>round {index}: {added} tokens ({round_.served})</title></rect>'
+        )
+        if index % tick == 0:
+            parts.append(f'<text x="{x + bar / 2}" y="{baseline + 14}" text-anchor="middle" font-size="10">{index}</text>')
+    legend = " ".join(
+        f'<span style="color: {colour}">&#9632;</span> {served}' for served, colour in SERVED_COLOURS.items()
+    )
+    return (
+        f'<div class="d3d-rounds"><div style="font-size: 0.9em">Tokens added per D3D round (accepted drafts + the '
+        f"target's token) &nbsp; {legend}</div>"
+        f'<svg viewBox="0 0 {width} {height}" width="100%" role="img" aria-label="tokens added per round" '
+        f'style="max-height: 260px">{"".join(parts)}</svg></div>'
     )
 
 
-__all__ = ["KINDS", "STATS", "accepted_length_frame", "legend_html", "stats_html", "token_span", "tokens_html"]
+__all__ = ["KINDS", "SERVED_COLOURS", "STATS", "legend_html", "rounds_svg", "stats_html", "token_span", "tokens_html"]

@@ -54,19 +54,23 @@ def served(demo):
         demo.close()
 
 
-class SpanReader(HTMLParser):
-    """The token spans of the Space's HTML: `(kind, text)` for each `span` with a `data-kind`."""
+class PageReader(HTMLParser):
+    """What the Space's HTML shows: token spans `(kind, text)`, statistics cells `{data-stat: text}`, and round bars
+    `(tokens added, served)`."""
 
     def __init__(self, markup: str):
         super().__init__(convert_charrefs=True)
         self.spans: list[tuple[str, str]] = []
         self.stats: dict[str, str] = {}
+        self.bars: list[tuple[int, str]] = []
         self._open: tuple[str, str] | None = None
         self.feed(markup)
 
     def handle_starttag(self, tag, attrs):
         attrs = dict(attrs)
-        if "data-kind" in attrs:
+        if "data-round" in attrs:
+            self.bars.append((int(attrs["data-added"]), attrs["data-served"]))
+        elif "data-kind" in attrs:
             self._open = ("kind", attrs["data-kind"])
             self.spans.append((attrs["data-kind"], ""))
         elif "data-stat" in attrs:
@@ -90,4 +94,4 @@ class SpanReader(HTMLParser):
         return "".join(text for _, text in self.spans)
 
 
-__all__ = ["BLOCK_SIZE", "PROMPT", "SpanReader", "free_port", "greedy_text", "load_tiny_models", "save_tiny_models", "served"]
+__all__ = ["BLOCK_SIZE", "PROMPT", "PageReader", "free_port", "greedy_text", "load_tiny_models", "save_tiny_models", "served"]

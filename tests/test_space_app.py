@@ -12,8 +12,8 @@ from space_app.decoding import (
     CACHE, DRAFT, TARGET, Detokenizer, DraftLength, Settings, check_settings, compare_live, decode_live,
     prepare_request, token_kinds,
 )
-from space_app.render import accepted_length_frame, stats_html, tokens_html
-from space_helpers import BLOCK_SIZE, PROMPT, SpanReader, greedy_text, load_tiny_models, save_tiny_models, served
+from space_app.render import rounds_svg, stats_html, tokens_html
+from space_helpers import BLOCK_SIZE, PROMPT, PageReader, greedy_text, load_tiny_models, save_tiny_models, served
 
 pytest.importorskip("gradio", reason="the Space needs the `space` extra (gradio)")
 from gradio_client import Client  # noqa: E402  (after the skip above)
@@ -134,18 +134,18 @@ def test_rendered_tokens_and_statistics(space_models):
     target, drafter, tokenizer = space_models
     prompt_ids = prepare_request(target, drafter, tokenizer, PROMPT, GREEDY)
     *_, (alone, d3d) = compare_live(target, drafter, tokenizer, prompt_ids, GREEDY)
-    page = SpanReader(tokens_html(d3d, "d3d"))
+    page = PageReader(tokens_html(d3d, "d3d"))
     assert [kind for kind, _ in page.spans] == d3d.kinds and page.text == d3d.text
-    assert {kind for kind, _ in SpanReader(tokens_html(alone, "target")).spans} == {TARGET}
-    stats = SpanReader(stats_html(alone, d3d)).stats
+    assert {kind for kind, _ in PageReader(tokens_html(alone, "target")).spans} == {TARGET}
+    stats = PageReader(stats_html(alone, d3d)).stats
     assert stats["d3d-tokens"] == stats["target-tokens"] == str(GREEDY.max_new_tokens)
     assert stats["d3d-tau"] == f"{d3d.tau:.2f}" and stats["target-tau"] == "1.00"
     assert stats["d3d-hit-rate"] == f"{d3d.hit_rate * 100:.1f}%" and stats["target-hit-rate"] == "–"
     assert stats["d3d-speedup"] == f"{d3d.tokens_per_second / alone.tokens_per_second:.2f}x"
-    assert set(SpanReader(stats_html(alone, None)).stats.values()) > {"–"}
-    frame = accepted_length_frame(d3d)
-    assert frame["tokens added"].tolist() == d3d.accepted_lengths
-    assert frame["served"].tolist() == [round_.served for round_ in d3d.rounds]
+    assert set(PageReader(stats_html(alone, None)).stats.values()) > {"–"}
+    bars = PageReader(rounds_svg(d3d, BLOCK_SIZE)).bars
+    assert bars == [(len(round_.tokens), round_.served) for round_ in d3d.rounds]
+    assert [added for added, _ in bars] == d3d.accepted_lengths and PageReader(rounds_svg(None, BLOCK_SIZE)).bars == []
 
 
 def test_the_api_streams_updates_and_serves_concurrent_users_correctly(space_models):
@@ -158,10 +158,12 @@ def test_the_api_streams_updates_and_serves_concurrent_users_correctly(space_mod
         jobs = [client.submit(prompt, *arguments, api_name="/generate") for prompt in prompts]
         finals = [job.result(timeout=120) for job in jobs]
         for job, final, reference in zip(jobs, finals, references):
-            assert SpanReader(final[0]).text == SpanReader(final[1]).text == reference
+            assert PageReader(final[0]).text == PageReader(final[1]).text == reference
+            stats, bars = PageReader(final[2]).stats, PageReader(final[3]).bars
+            assert stats["d3d-tokens"] == str(sum(added for added, _ in bars)) and stats["d3d-rounds"] == str(len(bars))
             updates = job.outputs()
             assert len(updates) > 1
-            assert any(SpanReader(update[1]).text != reference for update in updates[:-1]), "an intermediate state"
+            assert any(PageReader(update[1]).text != reference for update in updates[:-1]), "an intermediate state"
         with pytest.raises(Exception, match="Enter a prompt"):
             client.predict("   ", *arguments, api_name="/generate")
         with pytest.raises(Exception, match="greater than maximum value 5"):  # the slider refuses it
