@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from . import bench, demo, generate_data, prune, quickstart, train
+from . import bench, demo, generate_data, prune, quickstart, space, train
 
 COMMANDS = {
     "quickstart": (quickstart, "the embedded default end to end: target, assistant, drafter, benchmark"),
@@ -12,6 +12,7 @@ COMMANDS = {
     "train": (train, "train a D3D drafter for a target (diffusion + AR loss)"),
     "prune": (prune, "acceptance-guided layer pruning with distillation recovery"),
     "bench": (bench, "D3D beside its peers on the same prompts, in one process"),
+    "space": (space, "the Gradio Space, served locally: the target alone beside D3D async, live"),
 }
 
 

@@ -7,11 +7,13 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from cli.main import build_parser
 from conftest import run_without_project
 from space_app.decoding import (
     CACHE, DRAFT, TARGET, Detokenizer, DraftLength, Settings, check_settings, compare_live, decode_live,
     prepare_request, token_kinds,
 )
+from space_app.loading import DEFAULT_DRAFTER, DEFAULT_TARGET, model_sources
 from space_app.render import rounds_svg, stats_html, tokens_html
 from space_helpers import BLOCK_SIZE, PROMPT, PageReader, greedy_text, load_tiny_models, save_tiny_models, served
 
@@ -168,6 +170,17 @@ def test_the_api_streams_updates_and_serves_concurrent_users_correctly(space_mod
             client.predict("   ", *arguments, api_name="/generate")
         with pytest.raises(Exception, match="greater than maximum value 5"):  # the slider refuses it
             client.predict(PROMPT, 99, *arguments[1:], api_name="/generate")
+
+
+def test_models_come_from_arguments_else_the_environment_else_the_quickstart_folder(monkeypatch):
+    parse = build_parser().parse_args
+    monkeypatch.delenv("D3D_TARGET", raising=False)
+    monkeypatch.delenv("D3D_DRAFTER", raising=False)
+    assert model_sources(parse(["space"])) == (DEFAULT_TARGET, DEFAULT_DRAFTER)
+    monkeypatch.setenv("D3D_TARGET", "env/target")
+    monkeypatch.setenv("D3D_DRAFTER", "env/drafter")
+    assert model_sources(parse(["space"])) == ("env/target", "env/drafter")
+    assert model_sources(parse(["space", "--target", "t", "--drafter", "d"])) == ("t", "d")
 
 
 def test_the_space_runs_without_this_project_installed(tmp_path):
