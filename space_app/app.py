@@ -48,7 +48,7 @@ def build_demo(target, drafter, tokenizer, concurrency_limit: int = 2) -> gr.Blo
         with gr.Row():
             prompt = gr.Textbox(label="Prompt", lines=3, scale=4, elem_id="prompt")
             run = gr.Button("Generate", variant="primary", scale=1, elem_id="generate")
-        with gr.Accordion("Settings", open=False):
+        with gr.Accordion("Settings", open=True):
             with gr.Row():
                 block_size = gr.Slider(
                     2, trained_block_size, value=trained_block_size, step=1, precision=0, label="block size b",

@@ -155,8 +155,9 @@ class RoundStreamer(BaseStreamer):
 
 
 class Detokenizer:
-    """The text each new token adds, so that `"".join(texts) == tokenizer.decode(ids)`. A token that ends inside a
-    multi-byte character adds nothing until a later one completes it (`finish` flushes a dangling one)."""
+    """The text each new token adds, so that `"".join(texts) == tokenizer.decode(ids)` once `finish` has run. A token
+    that ends inside a multi-byte character (or after which the decoded text does not extend what was shown) adds
+    nothing until a later one completes it; `finish` gives what is still pending."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer

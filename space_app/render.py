@@ -34,7 +34,8 @@ def tokens_html(live: LiveDecode | None, column: str) -> str:
     """The tokens of one column (`column`: `target` or `d3d`) as coloured spans; a placeholder before it starts."""
     state = "waiting" if live is None else "done" if live.done else "running"
     spans = "" if live is None else "".join(token_span(text, kind) for text, kind in zip(live.texts, live.kinds))
-    placeholder = '<span style="color: #9ca3af">waiting for the target alone…</span>' if live is None else ""
+    waiting = "waiting for a prompt…" if column == "target" else "runs when the target alone is done…"
+    placeholder = f'<span style="color: #9ca3af">{waiting}</span>' if live is None else ""
     return (
         f'<div class="d3d-text" data-column="{column}" data-state="{state}" '
         f'style="{TEXT_STYLE}; min-height: 6em; padding: 8px; background: #ffffff">{spans}{placeholder}</div>'

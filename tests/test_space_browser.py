@@ -102,6 +102,7 @@ def test_a_prompt_streams_coloured_tokens_and_statistics_in_the_browser(browser,
         columns = wait_for(finished, 60, "D3D to finish")
         stats = browser.execute_script(STATS)
         bars = browser.execute_script(BARS)
+        browser.set_window_size(1400, browser.execute_script("return document.documentElement.scrollHeight") + 160)
         ARTIFACTS.mkdir(exist_ok=True)
         browser.save_screenshot(str(ARTIFACTS / "space.png"))
 
