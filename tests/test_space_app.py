@@ -71,6 +71,18 @@ def test_compare_live_streams_the_target_alone_then_d3d_and_both_equal_greedy(sp
     assert any(d is not None and 0 < d < len(reference) for _, d in updates), "D3D streams round by round"
 
 
+def test_an_error_while_generating_reaches_the_consumer(space_models):
+    target, drafter, tokenizer = space_models
+
+    class FailingDrafter(DraftLength):
+        def generate(self, *args, **kwargs):
+            raise RuntimeError("the drafter failed")
+
+    prompt_ids = prepare_request(target, drafter, tokenizer, PROMPT, GREEDY)
+    with drafter.async_generator() as generator, pytest.raises(RuntimeError, match="the drafter failed"):
+        list(decode_live(target, tokenizer, prompt_ids, GREEDY, FailingDrafter(generator, BLOCK_SIZE - 1)))
+
+
 def test_a_smaller_block_drafts_fewer_tokens_and_stays_lossless(space_models):
     target, drafter, tokenizer = space_models
     settings = Settings(block_size=3, coverage=4, fanout=2, temperature=0.0, max_new_tokens=30)
