@@ -16,6 +16,7 @@ COMMANDS = {
     "prune": ("prune", "acceptance-guided layer pruning with distillation recovery"),
     "bench": ("bench", "D3D beside its peers on the same prompts, in one process"),
     "push": ("push", "publish a drafter folder with its model card to the Hugging Face Hub"),
+    "space": ("space", "the Gradio Space, served locally: the target alone beside D3D async, live"),
 }
 
 

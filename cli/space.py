@@ -1,0 +1,17 @@
+"""`d3d space`: serve the Gradio Space locally: for a prompt, the target alone beside D3D async, tokens coloured by
+how they came, live τ, cache-hit rate, tokens/s and speedup. Needs the `space` extra (gradio).
+
+Models: --target / --drafter, else $D3D_TARGET / $D3D_DRAFTER, else the quickstart's d3d-output/target and
+d3d-output/drafter.
+"""
+
+import argparse
+
+from space_app.loading import add_arguments
+
+
+def run(args: argparse.Namespace) -> int:
+    from space_app.app import serve  # gradio comes with the `space` extra: imported only when serving
+
+    serve(args)
+    return 0

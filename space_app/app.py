@@ -1,0 +1,100 @@
+"""The D3D Space: for a prompt, the target alone and D3D async stream side by side, every token coloured by how it
+came, with τ, cache-hit rate, tokens/s, speedup and the accepted length of every round.
+
+Run `python space_app/app.py [--target PATH] [--drafter PATH]` (or `d3d space`); a Hugging Face Space runs this
+file from the folder's root.
+"""
+
+import argparse
+
+import gradio as gr
+
+if __package__:
+    from .decoding import MAX_FANOUT, MAX_NEW_TOKENS, MAX_TEMPERATURE, Settings, compare_live, prepare_request, whole_number
+    from .loading import add_arguments, devices, load_models, model_sources
+    from .render import legend_html, rounds_svg, stats_html, tokens_html
+else:  # beside its modules as the root of a Space
+    from decoding import MAX_FANOUT, MAX_NEW_TOKENS, MAX_TEMPERATURE, Settings, compare_live, prepare_request, whole_number
+    from loading import add_arguments, devices, load_models, model_sources
+    from render import legend_html, rounds_svg, stats_html, tokens_html
+
+INTRO = """# D3D: Decoupled Diffusion Drafting
+The drafter proposes a block of `b - 1` tokens in one forward pass; the target verifies it (lossless: greedy output is
+the target's own). The target alone runs first, then D3D async on the same prompt, so neither slows the other down."""
+
+
+def build_demo(target, drafter, tokenizer, concurrency_limit: int = 2) -> gr.Blocks:
+    """The Space's page for loaded models. `concurrency_limit`: requests decoding at once (each has its own
+    asynchronous generator; they share the weights and the hardware)."""
+    trained_block_size = drafter.config.block_size
+
+    def generate(prompt, block_size, coverage, fanout, temperature, max_new_tokens):
+        try:
+            settings = Settings(
+                whole_number("block size", block_size), whole_number("coverage C", coverage),
+                whole_number("fanout F", fanout), float(temperature), whole_number("max new tokens", max_new_tokens),
+            )
+            prompt_ids = prepare_request(target, drafter, tokenizer, prompt, settings)
+        except (TypeError, ValueError) as error:
+            raise gr.Error(str(error)) from error
+        for alone, d3d in compare_live(target, drafter, tokenizer, prompt_ids, settings):
+            yield (
+                tokens_html(alone, "target"), tokens_html(d3d, "d3d"), stats_html(alone, d3d),
+                rounds_svg(d3d, trained_block_size),
+            )
+
+    with gr.Blocks(title="D3D: Decoupled Diffusion Drafting") as demo:
+        gr.Markdown(INTRO)
+        with gr.Row():
+            prompt = gr.Textbox(label="Prompt", lines=3, scale=4, elem_id="prompt")
+            run = gr.Button("Generate", variant="primary", scale=1, elem_id="generate")
+        with gr.Accordion("Settings", open=True):
+            with gr.Row():
+                block_size = gr.Slider(
+                    2, trained_block_size, value=trained_block_size, step=1, precision=0, label="block size b",
+                    info=f"drafts b - 1 tokens a round; the drafter was trained with B = {trained_block_size}. "
+                    "Below B the successor cache is off (it prepares branches for full blocks).",
+                )
+                coverage = gr.Slider(
+                    1, trained_block_size, value=min(12, trained_block_size), step=1, precision=0, label="coverage C",
+                    info="successor branches for the first C - 1 rejection positions",
+                )
+                fanout = gr.Slider(0, MAX_FANOUT, value=2, step=1, precision=0, label="fanout F", info="alternative anchors per position")
+            with gr.Row():
+                temperature = gr.Slider(0, MAX_TEMPERATURE, value=0, step=0.05, label="temperature", info="0 is greedy")
+                max_new_tokens = gr.Slider(1, MAX_NEW_TOKENS, value=128, step=1, precision=0, label="max new tokens")
+        gr.HTML(legend_html())
+        with gr.Row():
+            with gr.Column():
+                gr.Markdown("### Target alone")
+                target_text = gr.HTML(tokens_html(None, "target"), elem_id="target-text")
+            with gr.Column():
+                gr.Markdown("### D3D async")
+                d3d_text = gr.HTML(tokens_html(None, "d3d"), elem_id="d3d-text")
+        stats = gr.HTML(stats_html(None, None), elem_id="stats")
+        plot = gr.HTML(rounds_svg(None, trained_block_size), elem_id="rounds-plot")
+        inputs = [prompt, block_size, coverage, fanout, temperature, max_new_tokens]
+        outputs = [target_text, d3d_text, stats, plot]
+        gr.on(
+            [run.click, prompt.submit], generate, inputs, outputs, api_name="generate", concurrency_limit=concurrency_limit
+        )
+    return demo
+
+
+def serve(args: argparse.Namespace) -> None:
+    """Load the models named by `args` (or the environment, or the quickstart folder) and serve the page."""
+    target_source, drafter_source = model_sources(args)
+    target_device, drafter_device = devices(args)
+    target, drafter, tokenizer = load_models(target_source, drafter_source, target_device, drafter_device)
+    demo = build_demo(target, drafter, tokenizer, concurrency_limit=args.concurrency)
+    demo.queue().launch(server_name=args.host, server_port=args.port)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    serve(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

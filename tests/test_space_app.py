@@ -1,0 +1,219 @@
+"""The Space's logic on tiny saved models (token kinds, live statistics, settings) and its streaming API endpoint."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from cli.main import build_parser
+from conftest import run_without_project
+from space_app.decoding import (
+    CACHE, DRAFT, TARGET, Detokenizer, DraftLength, Settings, check_settings, compare_live, decode_live,
+    prepare_request, token_kinds,
+)
+from space_app.loading import DEFAULT_DRAFTER, DEFAULT_TARGET, model_sources
+from space_app.render import rounds_svg, stats_html, tokens_html
+from space_helpers import BLOCK_SIZE, PROMPT, PageReader, greedy_text, load_tiny_models, save_tiny_models, served
+
+pytest.importorskip("gradio", reason="the Space needs the `space` extra (gradio)")
+from gradio_client import Client  # noqa: E402  (after the skip above)
+
+from space_app.app import build_demo  # noqa: E402
+
+GREEDY = Settings(block_size=BLOCK_SIZE, coverage=4, fanout=2, temperature=0.0, max_new_tokens=40)
+
+
+@pytest.fixture(scope="module")
+def space_models(tmp_path_factory):
+    return load_tiny_models(tmp_path_factory.mktemp("space-models"))
+
+
+def test_token_kinds_split_accepted_drafts_from_the_target_token():
+    assert token_kinds([5, 6, 9], [5, 6, 7, 8], from_cache=False) == [DRAFT, DRAFT, TARGET]
+    assert token_kinds([5, 6, 7, 8, 4], [5, 6, 7, 8], from_cache=True) == [CACHE] * 4 + [TARGET]
+    assert token_kinds([3], [5, 6], from_cache=True) == [TARGET]
+    assert token_kinds([5], [], from_cache=False) == [TARGET]
+
+
+def test_live_kinds_and_statistics_agree_with_the_generator_and_the_target(space_models):
+    target, drafter, tokenizer = space_models
+    prompt_ids = prepare_request(target, drafter, tokenizer, PROMPT, GREEDY)
+    reference, reference_text = greedy_text(target, tokenizer, PROMPT, GREEDY.max_new_tokens)
+    with drafter.async_generator(coverage=GREEDY.coverage, fanout=GREEDY.fanout) as generator:
+        seen = []
+        for live in decode_live(target, tokenizer, prompt_ids, GREEDY, DraftLength(generator, BLOCK_SIZE - 1)):
+            seen.append((len(live.tokens), live.done))
+        stats = generator.generation_stats.settle(torch.tensor([prompt_ids[0].tolist() + reference]))
+    assert seen[-1] == (len(reference), True) and not any(done for _, done in seen[:-1])
+    assert live.tokens == reference and live.text == reference_text
+    assert live.accepted_lengths == stats.accepted_lengths
+    assert live.hit_rate == pytest.approx(stats.hit_rate) and live.tau == pytest.approx(stats.tau)
+    for round_, drafted in zip(live.rounds, stats.rounds_drafted):
+        accepted = [token for token, kind in zip(round_.tokens, round_.kinds) if kind != TARGET]
+        assert accepted == drafted.drafted[: len(accepted)] and round_.kinds[-1] == TARGET
+        assert set(round_.kinds[:-1]) <= {CACHE if drafted.from_cache else DRAFT}
+        assert round_.from_cache == drafted.from_cache and round_.looked_up == drafted.looked_up
+    assert live.kinds.count(TARGET) == len(live.rounds)
+    assert {DRAFT, CACHE, TARGET} <= set(live.kinds), "these tiny models agree often enough to show every kind"
+
+
+def test_compare_live_streams_the_target_alone_then_d3d_and_both_equal_greedy(space_models):
+    target, drafter, tokenizer = space_models
+    prompt_ids = prepare_request(target, drafter, tokenizer, PROMPT, GREEDY)
+    reference, _ = greedy_text(target, tokenizer, PROMPT, GREEDY.max_new_tokens)
+    updates = [(len(alone.tokens), None if d3d is None else len(d3d.tokens)) for alone, d3d in
+               compare_live(target, drafter, tokenizer, prompt_ids, GREEDY)]
+    alone, d3d = updates[-1]
+    assert (alone, d3d) == (len(reference), len(reference))
+    assert any(d is None and 0 < a < len(reference) for a, d in updates), "the target alone streams token by token"
+    assert any(d is not None and 0 < d < len(reference) for _, d in updates), "D3D streams round by round"
+
+
+def test_an_error_while_generating_reaches_the_consumer(space_models):
+    target, drafter, tokenizer = space_models
+
+    class FailingDrafter(DraftLength):
+        def generate(self, *args, **kwargs):
+            raise RuntimeError("the drafter failed")
+
+    prompt_ids = prepare_request(target, drafter, tokenizer, PROMPT, GREEDY)
+    with drafter.async_generator() as generator, pytest.raises(RuntimeError, match="the drafter failed"):
+        list(decode_live(target, tokenizer, prompt_ids, GREEDY, FailingDrafter(generator, BLOCK_SIZE - 1)))
+
+
+def test_a_smaller_block_drafts_fewer_tokens_and_stays_lossless(space_models):
+    target, drafter, tokenizer = space_models
+    settings = Settings(block_size=3, coverage=4, fanout=2, temperature=0.0, max_new_tokens=30)
+    prompt_ids = prepare_request(target, drafter, tokenizer, PROMPT, settings)
+    *_, (alone, d3d) = compare_live(target, drafter, tokenizer, prompt_ids, settings)
+    assert d3d.tokens == alone.tokens == greedy_text(target, tokenizer, PROMPT, 30)[0]
+    assert max(d3d.accepted_lengths) <= 3 and len(d3d.rounds) < len(alone.rounds)
+
+
+def test_sampling_decodes_the_requested_number_of_tokens(space_models):
+    target, drafter, tokenizer = space_models
+    settings = Settings(block_size=BLOCK_SIZE, coverage=2, fanout=1, temperature=0.8, max_new_tokens=25)
+    prompt_ids = prepare_request(target, drafter, tokenizer, PROMPT, settings)
+    *_, (alone, d3d) = compare_live(target, drafter, tokenizer, prompt_ids, settings)
+    assert len(alone.tokens) == len(d3d.tokens) == 25 and d3d.text == tokenizer.decode(d3d.tokens)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"block_size": 1}, "block size must be in 2..5"),
+        ({"block_size": 6}, "block size must be in 2..5"),
+        ({"coverage": 0}, "coverage C must be in 1..5"),
+        ({"coverage": 6}, "coverage C must be in 1..5"),
+        ({"fanout": -1}, "fanout F must be in 0..8"),
+        ({"temperature": -0.1}, "temperature must be in 0..2.0"),
+        ({"max_new_tokens": 0}, "max new tokens must be in 1..512"),
+        ({"max_new_tokens": 513}, "max new tokens must be in 1..512"),
+    ],
+)
+def test_out_of_range_settings_are_refused_with_a_message(changes, message):
+    settings = Settings(**{**GREEDY.__dict__, **changes})
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        check_settings(settings, BLOCK_SIZE)
+
+
+def test_an_empty_or_too_long_prompt_is_refused(space_models):
+    target, drafter, tokenizer = space_models
+    for prompt in ("", "  \n "):
+        with pytest.raises(ValueError, match="Enter a prompt"):
+            prepare_request(target, drafter, tokenizer, prompt, GREEDY)
+    too_long = " ".join(["w1"] * (target.config.max_position_embeddings - 10))
+    with pytest.raises(ValueError, match="exceeds the target's 512 positions"):
+        prepare_request(target, drafter, tokenizer, too_long, GREEDY)
+
+
+def test_detokenizer_pieces_join_to_the_decoded_text_across_split_characters():
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(["plain"], trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    ids = tokenizer("héllo € wörld ✓")["input_ids"]
+    assert len(ids) > len("héllo € wörld ✓"), "multi-byte characters are split over several tokens"
+    detokenizer = Detokenizer(tokenizer)
+    pieces = [detokenizer.add(token) for token in ids]
+    pieces[-1] += detokenizer.finish()
+    assert "".join(pieces) == tokenizer.decode(ids) == "héllo € wörld ✓"
+    assert not any("\ufffd" in piece for piece in pieces)
+
+
+def test_rendered_tokens_and_statistics(space_models):
+    target, drafter, tokenizer = space_models
+    prompt_ids = prepare_request(target, drafter, tokenizer, PROMPT, GREEDY)
+    *_, (alone, d3d) = compare_live(target, drafter, tokenizer, prompt_ids, GREEDY)
+    page = PageReader(tokens_html(d3d, "d3d"))
+    assert [kind for kind, _ in page.spans] == d3d.kinds and page.text == d3d.text
+    assert {kind for kind, _ in PageReader(tokens_html(alone, "target")).spans} == {TARGET}
+    stats = PageReader(stats_html(alone, d3d)).stats
+    assert stats["d3d-tokens"] == stats["target-tokens"] == str(GREEDY.max_new_tokens)
+    assert stats["d3d-tau"] == f"{d3d.tau:.2f}" and stats["target-tau"] == "1.00"
+    assert stats["d3d-hit-rate"] == f"{d3d.hit_rate * 100:.1f}%" and stats["target-hit-rate"] == "–"
+    assert stats["d3d-speedup"] == f"{d3d.tokens_per_second / alone.tokens_per_second:.2f}x"
+    assert set(PageReader(stats_html(alone, None)).stats.values()) > {"–"}
+    bars = PageReader(rounds_svg(d3d, BLOCK_SIZE)).bars
+    assert bars == [(len(round_.tokens), round_.served) for round_ in d3d.rounds]
+    assert [added for added, _ in bars] == d3d.accepted_lengths and PageReader(rounds_svg(None, BLOCK_SIZE)).bars == []
+
+
+def test_the_api_streams_updates_and_serves_concurrent_users_correctly(space_models):
+    target, drafter, tokenizer = space_models
+    prompts = [PROMPT, "w5 w6 w1"]
+    references = [greedy_text(target, tokenizer, prompt, GREEDY.max_new_tokens)[1] for prompt in prompts]
+    arguments = (GREEDY.block_size, GREEDY.coverage, GREEDY.fanout, GREEDY.temperature, GREEDY.max_new_tokens)
+    with served(build_demo(target, drafter, tokenizer, concurrency_limit=2)) as url:
+        client = Client(url, verbose=False)
+        jobs = [client.submit(prompt, *arguments, api_name="/generate") for prompt in prompts]
+        finals = [job.result(timeout=120) for job in jobs]
+        for job, final, reference in zip(jobs, finals, references):
+            assert PageReader(final[0]).text == PageReader(final[1]).text == reference
+            stats, bars = PageReader(final[2]).stats, PageReader(final[3]).bars
+            assert stats["d3d-tokens"] == str(sum(added for added, _ in bars)) and stats["d3d-rounds"] == str(len(bars))
+            updates = job.outputs()
+            assert len(updates) > 1
+            assert any(PageReader(update[1]).text != reference for update in updates[:-1]), "an intermediate state"
+        with pytest.raises(Exception, match="Enter a prompt"):
+            client.predict("   ", *arguments, api_name="/generate")
+        with pytest.raises(Exception, match="greater than maximum value 5"):  # the slider refuses it
+            client.predict(PROMPT, 99, *arguments[1:], api_name="/generate")
+
+
+def test_models_come_from_arguments_else_the_environment_else_the_quickstart_folder(monkeypatch):
+    parse = build_parser().parse_args
+    monkeypatch.delenv("D3D_TARGET", raising=False)
+    monkeypatch.delenv("D3D_DRAFTER", raising=False)
+    assert model_sources(parse(["space"])) == (DEFAULT_TARGET, DEFAULT_DRAFTER)
+    monkeypatch.setenv("D3D_TARGET", "env/target")
+    monkeypatch.setenv("D3D_DRAFTER", "env/drafter")
+    assert model_sources(parse(["space"])) == ("env/target", "env/drafter")
+    assert model_sources(parse(["space", "--target", "t", "--drafter", "d"])) == ("t", "d")
+
+
+def test_the_space_runs_without_this_project_installed(tmp_path):
+    """As a Space: `app.py` beside its modules, the drafter through its remote code, the project not importable."""
+    target_folder, drafter_folder = save_tiny_models(tmp_path)
+    space_folder = str(Path(__file__).parents[1] / "space_app")
+    result = run_without_project(
+        """
+        import sys
+        sys.path.insert(0, sys.argv[1])
+        import app
+        from decoding import Settings, compare_live, prepare_request
+        target, drafter, tokenizer = app.load_models(sys.argv[2], sys.argv[3])
+        demo = app.build_demo(target, drafter, tokenizer)
+        settings = Settings(5, 4, 2, 0.0, 12)
+        ids = prepare_request(target, drafter, tokenizer, "w1 w2", settings)
+        *_, (alone, d3d) = compare_live(target, drafter, tokenizer, ids, settings)
+        assert alone.tokens == d3d.tokens and len(d3d.tokens) == 12, (alone.tokens, d3d.tokens)
+        print("space ran", type(drafter).__module__)
+        """,
+        space_folder, str(target_folder), str(drafter_folder), cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "space ran transformers_modules." in result.stdout

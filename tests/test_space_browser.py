@@ -1,0 +1,125 @@
+"""The Space in a real headless browser (Debian's chromium through Selenium): a prompt goes in, tokens stream out
+coloured by how they came, the statistics fill in, and the text equals the target's own greedy output.
+
+The screenshot is saved as `test-artifacts/space.png` under the repository root.
+"""
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from space_helpers import PROMPT, greedy_text, load_tiny_models, served
+
+pytest.importorskip("gradio", reason="the Space needs the `space` extra (gradio)")
+webdriver = pytest.importorskip("selenium.webdriver", reason="the browser test needs selenium (the `dev` extra)")
+
+from space_app.app import build_demo  # noqa: E402  (after the skips above)
+from space_app.render import KINDS  # noqa: E402
+
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+ARTIFACTS = Path(__file__).parents[1] / "test-artifacts"
+MAX_NEW_TOKENS = 128  # the page's default
+
+COLUMNS = """
+return Array.from(document.querySelectorAll('.d3d-text')).map(column => ({
+    column: column.dataset.column,
+    state: column.dataset.state,
+    spans: Array.from(column.querySelectorAll('[data-kind]')).map(span => ({
+        kind: span.dataset.kind, cls: span.className, text: span.textContent,
+        colour: getComputedStyle(span).backgroundColor,
+    })),
+}));
+"""
+BARS = "return Array.from(document.querySelectorAll('#rounds-plot rect')).map(r => Number(r.dataset.added));"
+STATS = "return Object.fromEntries(Array.from(document.querySelectorAll('[data-stat]')).map(c => [c.dataset.stat, c.textContent]));"
+
+
+def rgb(colour: str) -> str:
+    red, green, blue = (int(colour[i : i + 2], 16) for i in (1, 3, 5))
+    return f"rgb({red}, {green}, {blue})"
+
+
+@pytest.fixture
+def browser(tmp_path):
+    if not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)):
+        pytest.skip("Debian's chromium and chromium-driver are not installed (apt-get install chromium chromium-driver)")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in (
+        "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-sync",
+        "--disable-background-networking", "--disable-component-update", "--window-size=1400,1500",
+        f"--user-data-dir={tmp_path / 'chromium-profile'}",
+    ):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=webdriver.ChromeService(CHROMEDRIVER), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def round_lengths(kinds: list[str]) -> list[int]:
+    """Tokens added per round, read off the colours: every round ends with the target's own token."""
+    lengths, count = [], 0
+    for kind in kinds:
+        count += 1
+        if kind == "target":
+            lengths.append(count)
+            count = 0
+    return lengths
+
+
+def wait_for(condition, timeout: float, what: str):
+    """Poll `condition()` until it returns something truthy; fail naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = condition()
+        if result:
+            return result
+        time.sleep(0.05)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+def test_a_prompt_streams_coloured_tokens_and_statistics_in_the_browser(browser, tmp_path):
+    target, drafter, tokenizer = load_tiny_models(tmp_path)
+    _, reference = greedy_text(target, tokenizer, PROMPT, MAX_NEW_TOKENS)
+    with served(build_demo(target, drafter, tokenizer)) as url:
+        browser.get(url)
+        prompt = wait_for(lambda: browser.find_elements("css selector", "#prompt textarea"), 30, "the page")[0]
+        assert set(browser.execute_script(STATS).values()) == {"–"}
+        prompt.send_keys(PROMPT)
+        browser.find_element("css selector", "#generate").click()
+
+        states = []
+
+        def finished():
+            columns = {column["column"]: column for column in browser.execute_script(COLUMNS)}
+            states.append({name: (column["state"], len(column["spans"])) for name, column in columns.items()})
+            return columns if columns["d3d"]["state"] == "done" else None
+
+        columns = wait_for(finished, 60, "D3D to finish")
+        stats = browser.execute_script(STATS)
+        bars = browser.execute_script(BARS)
+        browser.set_window_size(1400, browser.execute_script("return document.documentElement.scrollHeight") + 160)
+        ARTIFACTS.mkdir(exist_ok=True)
+        browser.save_screenshot(str(ARTIFACTS / "space.png"))
+
+    streamed = [state for state in states if 0 < state["target"][1] and state["d3d"][0] != "done"]
+    assert streamed, "tokens appeared before the end of generation"
+    assert any(state["d3d"][1] < MAX_NEW_TOKENS for state in streamed)
+    for name in ("target", "d3d"):
+        spans = columns[name]["spans"]
+        assert "".join(span["text"] for span in spans) == reference, name
+        for span in spans:
+            assert span["cls"] == f"d3d-token d3d-{span['kind']}" and span["colour"] == rgb(KINDS[span["kind"]][1])
+    kinds = [span["kind"] for span in columns["d3d"]["spans"]]
+    assert {span["kind"] for span in columns["target"]["spans"]} == {"target"}
+    assert "target" in kinds and {"draft", "cache"} & set(kinds)
+    assert stats["target-tokens"] == stats["d3d-tokens"] == str(MAX_NEW_TOKENS)
+    assert stats["d3d-rounds"] == str(kinds.count("target"))
+    assert stats["d3d-tau"] == f"{MAX_NEW_TOKENS / kinds.count('target'):.2f}"
+    assert bars == round_lengths(kinds), "one bar per round, as tall as the tokens it added"
+    assert stats["d3d-hit-rate"].endswith("%") and stats["d3d-tok-s"] != "–" and stats["d3d-speedup"].endswith("x")
+    assert (ARTIFACTS / "space.png").stat().st_size > 10_000
