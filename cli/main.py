@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from . import bench, demo, generate_data, prune, quickstart, train
+from . import bench, bench_prefill, demo, generate_data, prune, quickstart, train
 
 COMMANDS = {
     "quickstart": (quickstart, "the embedded default end to end: target, assistant, drafter, benchmark"),
@@ -12,6 +12,7 @@ COMMANDS = {
     "train": (train, "train a D3D drafter for a target (diffusion + AR loss)"),
     "prune": (prune, "acceptance-guided layer pruning with distillation recovery"),
     "bench": (bench, "D3D beside its peers on the same prompts, in one process"),
+    "bench-prefill": (bench_prefill, "selective prefill on a long-context task: score, TTFT, decode and E2E speedups"),
 }
 
 
