@@ -6,8 +6,9 @@ import torch
 from modeling_d3d import d3d_generate, select_prompt_chunks
 from modeling_d3d.masking_d3d import block_layout
 from modeling_d3d.prefill_d3d import chunk_spans, probe_token_importance
+from space_app.prefill_view import kept_chunks_html
 
-from conftest import tiny_drafter, tiny_target
+from conftest import tiny_drafter, tiny_target, word_tokenizer
 
 NEW_TOKENS = 24
 
@@ -186,3 +187,13 @@ def test_the_drafter_methods_are_the_functions(models):
     generated = drafter.speculative_generate(target, ids, selective_prefill=0.3, chunk_size=8, max_new_tokens=8)
     assert generated.selection.kept == function.kept
     assert torch.equal(generated.sequences, d3d_generate(target, drafter, ids, 0.3, 8, max_new_tokens=8).sequences)
+
+
+def test_the_space_view_marks_exactly_the_kept_chunks(models):
+    _, drafter = models
+    ids = prompt(60, seed=8)
+    selection = select_prompt_chunks(drafter, ids, 0.3, 8)
+    page = kept_chunks_html(word_tokenizer(), ids, selection)
+    assert page.count('class="d3d-chunk"') == len(selection.spans)
+    assert page.count('data-kept="true"') == len(selection.kept)
+    assert f"{selection.kept_length} of 60 tokens" in page
