@@ -197,3 +197,15 @@ def test_the_space_view_marks_exactly_the_kept_chunks(models):
     assert page.count('class="d3d-chunk"') == len(selection.spans)
     assert page.count('data-kept="true"') == len(selection.kept)
     assert f"{selection.kept_length} of 60 tokens" in page
+
+
+def test_sampling_on_the_reduced_prompt_runs_and_records_its_rounds(models):
+    target, drafter = models
+    ids = prompt(120, seed=9)
+    torch.manual_seed(0)
+    result = d3d_generate(
+        target, drafter, ids, selective_prefill=0.2, chunk_size=16, max_new_tokens=10, do_sample=True, top_k=20
+    )
+    assert result.new_tokens.shape == (1, 10)
+    assert result.stats.new_tokens == 10 and result.stats.settled
+    assert result.prompt_ids.shape[1] == result.selection.kept_length < ids.shape[1]
