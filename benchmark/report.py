@@ -79,4 +79,62 @@ def write(results: dict, output_dir: Path) -> str:
     return table
 
 
-__all__ = ["markdown", "plot", "write"]
+def prefill_markdown(results: dict) -> str:
+    """The selective-prefill table (paper, Tables 6-7), speedups over the full prompt with the target alone."""
+    lines = [
+        f"### {results['task']}: {results['examples']} prompts of ~{results['prompt_tokens']:.0f} tokens, "
+        f"{results['max_new_tokens']} new tokens, greedy, chunks of {results['chunk_size']}, B = {results['block_size']}",
+        "",
+        "| setting | score | answer kept | prompt kept | TTFT | decode tok/s | TTFT speedup | decode speedup | "
+        "E2E speedup | τ | = target on its prompt |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in results["settings"]:
+        lines.append(
+            f"| {row['setting']} | {row['score']:.2f} | {_percent(row['answer_kept'])} | {_percent(row['kept_fraction'])} | "
+            f"{1000 * row['ttft_seconds']:.0f} ms | {row['decode_tokens_per_second']:.1f} | {_times(row['ttft_speedup'])} | "
+            f"{_times(row['decode_speedup'])} | {_times(row['e2e_speedup'])} | {row['tau']:.2f} | "
+            f"{'yes' if row['matches_target'] else 'NO'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def prefill_plot(results: dict, path: Path) -> None:
+    """TTFT, decode and end-to-end speedups per setting (bars) and the task score (line, right axis)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["settings"]
+    figure, axis = plt.subplots(figsize=(9, 4))
+    width = 0.27
+    for offset, (key, label) in enumerate([("ttft_speedup", "TTFT"), ("decode_speedup", "decode"), ("e2e_speedup", "end to end")]):
+        axis.bar([i + (offset - 1) * width for i in range(len(rows))], [row[key] for row in rows], width, label=label)
+    axis.axhline(1.0, color="gray", linewidth=0.8)
+    axis.set_xticks(range(len(rows)))
+    axis.set_xticklabels([row["setting"] for row in rows], fontsize=8)
+    axis.set_ylabel("speedup over the full prompt, target alone")
+    axis.legend(loc="upper left")
+    score_axis = axis.twinx()
+    score_axis.plot(range(len(rows)), [row["score"] for row in rows], "ko-", label="score")
+    score_axis.set_ylabel(results["task"].split(" (")[0] + " score")
+    score_axis.set_ylim(bottom=0)
+    score_axis.legend(loc="upper right")
+    axis.set_title("Selective prefill with D3D")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def write_prefill(results: dict, output_dir: Path) -> str:
+    """`prefill.json`, `prefill.md`, `prefill.png` in `output_dir`; returns the markdown."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "prefill.json").write_text(json.dumps(results, indent=2))
+    table = prefill_markdown(results)
+    (output_dir / "prefill.md").write_text(table)
+    prefill_plot(results, output_dir / "prefill.png")
+    return table
+
+
+__all__ = ["markdown", "plot", "prefill_markdown", "prefill_plot", "write", "write_prefill"]

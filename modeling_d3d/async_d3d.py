@@ -17,7 +17,7 @@ from transformers import LogitsProcessorList
 from transformers.cache_utils import DynamicCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .speculative_d3d import SpeculativeStats, synchronize
+from .speculative_d3d import SpeculativeStats, crop_to_common_prefix, synchronize
 
 DEFAULT_COVERAGE = 12
 DEFAULT_FANOUT = 2
@@ -55,14 +55,7 @@ class _Session:
 
     def sync_cache(self, prefix: list[int]) -> None:
         """Crop the drafter cache to the longest common prefix of what it holds and `prefix` (worker thread)."""
-        common = 0
-        for cached, wanted in zip(self.cached_ids, prefix):
-            if cached != wanted:
-                break
-            common += 1
-        if common < len(self.cached_ids):
-            self.cache.crop(common - len(self.cached_ids))
-            del self.cached_ids[common:]
+        crop_to_common_prefix(self.cache, self.cached_ids, prefix)
 
 
 class D3DAssistedGenerator:

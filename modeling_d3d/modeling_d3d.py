@@ -14,6 +14,7 @@ from transformers.utils import ModelOutput, logging
 from .async_d3d import D3DAssistedGenerator, check_budget
 from .configuration_d3d import D3DConfig
 from .masking_d3d import block_layout, create_block_diffusion_mask
+from .prefill_d3d import DEFAULT_CHUNK_SIZE, PromptSelection, SelectivePrefillOutput, d3d_generate, select_prompt_chunks
 from .speculative_d3d import (
     SpeculativeStats,
     assisted_generation_config,
@@ -177,12 +178,32 @@ class D3DForBlockDiffusion(D3DPreTrainedModel, GenerationMixin):
             logits=self.lm_head(hidden_states),
             past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
         )
 
     def async_generator(self, device: torch.device | str | None = None, **settings) -> D3DAssistedGenerator:
         """An asynchronous drafter for `target.generate(..., assistant_model=...)`; `settings`: coverage, fanout,
         worker_threads (see `async_d3d.D3DAssistedGenerator`)."""
         return D3DAssistedGenerator(self, device=device, **settings)
+
+    def select_prompt_chunks(
+        self, input_ids: torch.LongTensor, retention: float, chunk_size: int = DEFAULT_CHUNK_SIZE
+    ) -> PromptSelection:
+        """Selective prefill: score the chunks of the prompt `(1, L)` with the one-MASK probe and keep about
+        `retention * L` tokens (see `prefill_d3d`)."""
+        return select_prompt_chunks(self, input_ids, retention, chunk_size)
+
+    def speculative_generate(
+        self,
+        target: PreTrainedModel,
+        input_ids: torch.LongTensor,
+        selective_prefill: float = 1.0,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        **generate_kwargs,
+    ) -> SelectivePrefillOutput:
+        """`target` decodes `input_ids` `(1, L)` with this drafter; `selective_prefill` < 1 prefills only the chunks
+        the probe keeps (see `prefill_d3d.d3d_generate`; at 1 it is `target.generate(..., assistant_model=self)`)."""
+        return d3d_generate(target, self, input_ids, selective_prefill, chunk_size, **generate_kwargs)
 
     def check_compatibility(self, target: PreTrainedModel, target_tokenizer=None, drafter_tokenizer=None) -> None:
         """Raise `ValueError` unless this drafter can draft for `target` (see `speculative_d3d.check_compatibility`)."""

@@ -144,6 +144,19 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def crop_to_common_prefix(cache, cached_ids: list[int], prefix: list[int]) -> None:
+    """Crop a drafter `cache` holding the tokens `cached_ids` (updated in place) to their longest common prefix with
+    `prefix`: the one way a drafter cache kept outside transformers' loop follows the verified sequence."""
+    common = 0
+    for cached, wanted in zip(cached_ids, prefix):
+        if cached != wanted:
+            break
+        common += 1
+    if common < len(cached_ids):
+        cache.crop(common - len(cached_ids))
+        del cached_ids[common:]
+
+
 def propose_for_assisted_generation(drafter, input_ids: torch.LongTensor, generation_config, logits_processor, **kwargs):
     """Answer one `assistant_model.generate` call of transformers' assisted loop with one block-drafting pass.
 
@@ -154,19 +167,41 @@ def propose_for_assisted_generation(drafter, input_ids: torch.LongTensor, genera
     past_key_values = kwargs.get("past_key_values")
     if past_key_values is None:
         drafter.generation_stats = SpeculativeStats(prompt=input_ids[0].tolist())
-    stats = drafter.generation_stats
-    stats.start_round(input_ids)
+    return draft_round(
+        drafter, input_ids, input_ids, past_key_values, drafter.generation_stats, generation_config.do_sample,
+        logits_processor, kwargs.get("max_new_tokens"),
+    )
 
+
+def draft_round(
+    drafter,
+    input_ids: torch.LongTensor,
+    drafter_ids: torch.LongTensor,
+    past_key_values,
+    stats: SpeculativeStats,
+    do_sample: bool,
+    logits_processor=None,
+    max_new_tokens: int | None = None,
+) -> GenerateDecoderOnlyOutput:
+    """One synchronous round: draft a block from `drafter_ids` and answer the target's loop about `input_ids`.
+
+    input_ids: `(1, L)` the verified prefix as the target holds it (statistics and the returned `sequences` use it);
+    drafter_ids: `(1, L')` the same prefix as the drafter reads it, ending with the same anchor: `input_ids` itself
+    for plain D3D, the full prompt followed by the same generated tokens under selective prefill. The logits
+    processors see `drafter_ids`. past_key_values: the drafter cache, holding a prefix of `drafter_ids[:, :-1]`.
+    Returns `sequences` `(1, L + n)`, `scores` (n tensors `(1, vocab)`, q = softmax) and the drafter cache.
+    """
+    stats.start_round(input_ids)
     device = drafter.model.embed_tokens.weight.device
     start = time.perf_counter()
     draft = drafter.draft_block(
-        input_ids,
+        drafter_ids,
         past_key_values=past_key_values,
         logits_processor=LogitsProcessorList(logits_processor or []),
-        do_sample=generation_config.do_sample,
+        do_sample=do_sample,
     )
     synchronize(device)
-    keep = min(draft.tokens.shape[1], kwargs.get("max_new_tokens") or draft.tokens.shape[1])
+    keep = min(draft.tokens.shape[1], max_new_tokens or draft.tokens.shape[1])
     stats.record_draft(input_ids.shape[1], draft.tokens[:, :keep], time.perf_counter() - start)
     return GenerateDecoderOnlyOutput(
         sequences=torch.cat([input_ids.to(device), draft.tokens[:, :keep]], dim=1),
@@ -194,4 +229,4 @@ def check_compatibility(drafter, target, target_tokenizer=None, drafter_tokenize
         drafter.config.check_mask_token(target_tokenizer)
 
 
-__all__ = ["DraftRound", "SpeculativeStats", "synchronize", "check_compatibility", "assisted_generation_config", "propose_for_assisted_generation"]
+__all__ = ["DraftRound", "SpeculativeStats", "synchronize", "check_compatibility", "assisted_generation_config", "propose_for_assisted_generation", "draft_round", "crop_to_common_prefix"]

@@ -27,6 +27,9 @@ FRESH_PROCESS = """
     assert torch.equal(target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=model), plain)
     with model.async_generator() as generator:
         assert torch.equal(target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=generator), plain)
+    selective = model.speculative_generate(target, ids, selective_prefill=0.5, chunk_size=3, max_new_tokens=12)
+    assert selective.selection.kept == model.select_prompt_chunks(ids, 0.5, 3).kept
+    assert torch.equal(selective.sequences, target.generate(selective.prompt_ids, max_new_tokens=12, do_sample=False))
     print("loaded", type(model).__module__)
 """
 
@@ -37,7 +40,8 @@ def test_save_pretrained_writes_remote_code_that_loads_in_a_fresh_process(tmp_pa
     config = (tmp_path / "config.json").read_text()
     assert '"AutoModel": "modeling_d3d.D3DForBlockDiffusion"' in config
     assert '"AutoConfig": "configuration_d3d.D3DConfig"' in config
-    for name in ("configuration_d3d.py", "modeling_d3d.py", "masking_d3d.py", "speculative_d3d.py", "async_d3d.py"):
+    for name in ("configuration_d3d.py", "modeling_d3d.py", "masking_d3d.py", "speculative_d3d.py", "async_d3d.py",
+                 "prefill_d3d.py"):
         assert (tmp_path / name).is_file(), name
     ids = torch.randint(0, 90, (1, 11))
     with torch.no_grad():

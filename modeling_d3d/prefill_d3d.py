@@ -1,0 +1,320 @@
+"""Selective prefill with D3D (paper, Appendix C): the drafter picks the prompt chunks the target prefills.
+
+1. **Importance probe.** The drafter reads the full prompt `x_1..x_L` followed by ONE mask position, laid out as a
+   D3D block `[x_L, M]` over the cached prefix `x_1..x_{L-1}` (the layout it drafts with, block size 2). The score of
+   prompt token `i` is the attention probability the MASK query gives key `i`, averaged over every layer and every
+   query head (each head's row sums to 1, so token scores are a distribution over the prompt, the anchor `x_L`
+   included, plus the MASK's own key). A chunk's score is the sum of its tokens' scores: the attention mass the MASK
+   pays to it.
+2. **Chunk selection.** The prompt is cut into chunks of `chunk_size` tokens aligned to its end (the first chunk may
+   be shorter). The last chunk (the question or instruction, and the anchor of the first drafted block) is always
+   kept; then chunks in decreasing score are added while a chunk brings the kept length closer to `retention * L`
+   (a chunk is taken when `kept + size / 2 <= retention * L`). The kept length is therefore within one chunk of
+   `retention * L`. Kept chunks keep their original order; the reduced prompt is their concatenation.
+3. **Decoding.** The target prefills only the reduced prompt and decodes with ordinary D3D speculative decoding,
+   target-verified on the reduced prompt. The drafter keeps its own cache of the FULL prompt (the probe's prefill,
+   reused) followed by the accepted tokens: each round the target's sequence `reduced + generated` is mapped to
+   `full + generated` before drafting.
+
+With `retention < 1` the output is the target's output on the reduced prompt, not on the full prompt; with
+`retention == 1` `d3d_generate` is exactly `target.generate(input_ids, assistant_model=drafter)`.
+"""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import DynamicCache
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .masking_d3d import block_layout
+from .speculative_d3d import SpeculativeStats, crop_to_common_prefix, draft_round
+
+DEFAULT_CHUNK_SIZE = 32
+PROBE_BLOCK_SIZE = 2
+
+
+@dataclass
+class PromptSelection:
+    """Which prompt chunks the target prefills.
+
+    spans: every chunk as `[start, end)` token indices, in prompt order; scores: `(num_chunks,)` attention mass the
+    probe's MASK query pays each chunk (None when no probe ran); kept: sorted indices into `spans`.
+    """
+
+    spans: list[tuple[int, int]]
+    scores: torch.FloatTensor | None
+    kept: list[int]
+    retention: float
+    chunk_size: int
+
+    @property
+    def prompt_length(self) -> int:
+        return self.spans[-1][1]
+
+    @property
+    def kept_spans(self) -> list[tuple[int, int]]:
+        return [self.spans[i] for i in self.kept]
+
+    @property
+    def kept_length(self) -> int:
+        return sum(end - start for start, end in self.kept_spans)
+
+    def kept_positions(self) -> torch.LongTensor:
+        """`(kept_length,)` indices of the kept prompt tokens, in order."""
+        return torch.cat([torch.arange(start, end) for start, end in self.kept_spans])
+
+    def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`(batch, L, ...)` prompt-aligned tensor (ids, attention mask) -> `(batch, kept_length, ...)`."""
+        if tensor.shape[1] != self.prompt_length:
+            raise ValueError(f"Expected {self.prompt_length} prompt positions, got {tensor.shape[1]}")
+        return tensor[:, self.kept_positions().to(tensor.device)]
+
+
+@dataclass
+class SelectivePrefillOutput:
+    """What `d3d_generate` returns.
+
+    output: what `target.generate` returned (a tensor, or a `GenerateDecoderOnlyOutput` with
+    `return_dict_in_generate=True`), on `prompt_ids`; prompt_ids: `(1, R)` the prompt the target read (the input
+    itself when nothing was dropped); selection: the chunks (None for `selective_prefill=1`, where no probe runs);
+    stats: the drafter's statistics, settled; assistant: the `SelectivePrefillDrafter` that drafted (None for 1).
+    """
+
+    output: torch.LongTensor | GenerateDecoderOnlyOutput
+    prompt_ids: torch.LongTensor
+    selection: PromptSelection | None
+    stats: SpeculativeStats | None
+    assistant: "SelectivePrefillDrafter | None" = None
+
+    @property
+    def sequences(self) -> torch.LongTensor:
+        """`(1, R + n)` the target's prompt and its new tokens."""
+        return self.output if isinstance(self.output, torch.Tensor) else self.output.sequences
+
+    @property
+    def new_tokens(self) -> torch.LongTensor:
+        """`(1, n)` the generated tokens."""
+        return self.sequences[:, self.prompt_ids.shape[1] :]
+
+
+def check_prefill_arguments(input_ids: torch.Tensor, retention: float, chunk_size: int) -> None:
+    """Raise `ValueError` unless `input_ids` is `(1, L >= 1)`, `0 < retention <= 1` and `chunk_size >= 1`."""
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 1:
+        raise ValueError(f"Selective prefill takes one prompt of shape (1, L) with L >= 1, got {tuple(input_ids.shape)}")
+    if not 0.0 < retention <= 1.0:
+        raise ValueError(f"retention (selective_prefill) must be in (0, 1], got {retention}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+
+
+def chunk_spans(length: int, chunk_size: int) -> list[tuple[int, int]]:
+    """`[start, end)` chunks of `chunk_size` tokens covering `0..length`, aligned to the end, in order."""
+    return sorted((max(0, end - chunk_size), end) for end in range(length, 0, -chunk_size))
+
+
+@contextmanager
+def _eager_attention(model) -> Iterator[None]:
+    """Run `model` with eager attention inside the block (the one backend that returns attention probabilities)."""
+    previous = model.config._attn_implementation
+    model.config._attn_implementation = "eager"
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = previous
+
+
+@torch.no_grad()
+def probe_token_importance(drafter, input_ids: torch.LongTensor) -> tuple[torch.FloatTensor, DynamicCache]:
+    """The one-MASK importance probe: `(1, L)` prompt -> `(L,)` token scores and the drafter cache of `x_1..x_{L-1}`.
+
+    The prefix `x_1..x_{L-1}` is prefilled causally with the drafter's configured attention (this cache is exactly
+    what the first drafted block needs, so selective prefill reuses it); the 2-token block `[x_L, M]` then runs with
+    eager attention and `output_attentions=True`, which costs one query row over L keys per layer and head. Score of
+    token i: the MASK query's attention probability to key i, mean over layers and query heads.
+    """
+    length = input_ids.shape[1]
+    device = drafter.model.embed_tokens.weight.device
+    input_ids = input_ids.to(device)
+    cache = DynamicCache(config=drafter.config)
+    if length > 1:
+        drafter(input_ids=input_ids[:, :-1], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    anchor = torch.full((1, 1), length - 1, device=device, dtype=torch.long)
+    block_ids, visible_prefix, position_ids = block_layout(0, anchor, PROBE_BLOCK_SIZE, length - 1)
+    with _eager_attention(drafter):
+        attentions = drafter(
+            input_ids=drafter.mask_blocks(input_ids[:, -1:])[:, :PROBE_BLOCK_SIZE],
+            position_ids=position_ids,
+            block_ids=block_ids,
+            visible_prefix=visible_prefix,
+            past_key_values=cache,
+            use_cache=True,
+            output_attentions=True,
+            logits_to_keep=1,
+        ).attentions
+    cache.crop(-PROBE_BLOCK_SIZE)
+    mask_rows = torch.stack([layer[0, :, -1, :length] for layer in attentions])  # (layers, heads, L)
+    return mask_rows.float().mean(dim=(0, 1)), cache
+
+
+def choose_chunks(token_scores: torch.Tensor, retention: float, chunk_size: int) -> PromptSelection:
+    """Chunk scores (sums of `(L,)` token scores) and the kept chunks: the last one, then the best while they bring
+    the kept length closer to `retention * L` (see the module docstring)."""
+    spans = chunk_spans(token_scores.shape[0], chunk_size)
+    scores = torch.stack([token_scores[start:end].sum() for start, end in spans]).cpu()
+    budget = retention * token_scores.shape[0]
+    last = len(spans) - 1
+    ranked = sorted(range(last), key=lambda i: (-scores[i].item(), i))
+    kept, total = [last], spans[last][1] - spans[last][0]
+    for index in ranked:
+        size = spans[index][1] - spans[index][0]
+        if total + size / 2 <= budget:
+            kept.append(index)
+            total += size
+    return PromptSelection(spans, scores, sorted(kept), retention, chunk_size)
+
+
+def select_prompt_chunks(
+    drafter, input_ids: torch.LongTensor, retention: float, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> PromptSelection:
+    """Score the chunks of `input_ids` `(1, L)` with the drafter's one-MASK probe and choose the kept ones."""
+    check_prefill_arguments(input_ids, retention, chunk_size)
+    token_scores, _ = probe_token_importance(drafter, input_ids)
+    return choose_chunks(token_scores, retention, chunk_size)
+
+
+class _PrefillSession:
+    """What the assisted loop holds in the assistant's cache slot for one `generate` call: it reports no cached
+    tokens, so transformers never crops the drafter cache by the target's (shorter) lengths."""
+
+    def __init__(self, prompt: torch.Tensor):
+        self.stats = SpeculativeStats(prompt=prompt[0].tolist())
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def crop(self, max_length: int) -> None:
+        return None
+
+
+class SelectivePrefillDrafter:
+    """Stands in for a D3D drafter in `target.generate(reduced_prompt, assistant_model=...)` when the target reads
+    only the kept chunks: the drafter still drafts from the full prompt.
+
+    full_prompt: `(1, L)`; reduced_prompt: `(1, R)` what the target reads; past_key_values: a drafter cache holding a
+    prefix of `full_prompt[:, :-1]` (the probe's), or None. Each round maps the target's verified sequence
+    `reduced + generated` to `full + generated` and runs the plain D3D round (`speculative_d3d.draft_round`). The
+    drafter cache, keyed by the token ids it holds (`cached_ids`), keeps the full prompt and the accepted tokens.
+    """
+
+    def __init__(
+        self,
+        drafter,
+        full_prompt: torch.LongTensor,
+        reduced_prompt: torch.LongTensor,
+        past_key_values: DynamicCache | None = None,
+    ):
+        self.drafter = drafter
+        self.full_prompt = full_prompt.to(drafter.device)
+        self.reduced_prompt = reduced_prompt.to(drafter.device)
+        self.cache = past_key_values if past_key_values is not None else DynamicCache(config=drafter.config)
+        self.cached_ids: list[int] = full_prompt[0, : self.cache.get_seq_length()].tolist()
+        self._session: _PrefillSession | None = None
+
+    # What transformers' assisted loop reads from an assistant model.
+    @property
+    def config(self):
+        return self.drafter.config
+
+    @property
+    def generation_config(self):
+        return self.drafter.generation_config
+
+    @property
+    def device(self) -> torch.device:
+        return self.drafter.device
+
+    def _supports_logits_to_keep(self) -> bool:
+        return False
+
+    @property
+    def generation_stats(self) -> SpeculativeStats | None:
+        """Statistics of the latest `generate` call, in the target's coordinates (settle with the target's output)."""
+        return self._session.stats if self._session is not None else None
+
+    def drafter_view(self, input_ids: torch.LongTensor) -> torch.LongTensor:
+        """`(1, R + n)` the target's sequence -> `(1, L + n)` the full prompt followed by the same `n` tokens."""
+        reduced_length = self.reduced_prompt.shape[1]
+        input_ids = input_ids.to(self.device)
+        if input_ids.shape[1] < reduced_length or not torch.equal(input_ids[:, :reduced_length], self.reduced_prompt):
+            raise ValueError("This SelectivePrefillDrafter was prepared for another prompt than the target's")
+        return torch.cat([self.full_prompt, input_ids[:, reduced_length:]], dim=1)
+
+    def generate(self, input_ids: torch.LongTensor, generation_config=None, logits_processor=None, **kwargs):
+        """One round of transformers' assisted loop: a block drafted from the full prompt + generated tokens."""
+        if generation_config is None or not getattr(generation_config, "is_assistant", False):
+            raise ValueError("SelectivePrefillDrafter drafts for target.generate(..., assistant_model=...) only")
+        session = kwargs.get("past_key_values")
+        if session is None or session is not self._session:
+            session = self._session = _PrefillSession(input_ids)
+        drafter_ids = self.drafter_view(input_ids)
+        prefix = drafter_ids[0, :-1].tolist()
+        crop_to_common_prefix(self.cache, self.cached_ids, prefix)
+        output = draft_round(
+            self.drafter, input_ids, drafter_ids, self.cache, session.stats, generation_config.do_sample,
+            logits_processor, kwargs.get("max_new_tokens"),
+        )
+        self.cached_ids = prefix
+        output.past_key_values = session
+        return output
+
+
+def d3d_generate(
+    target,
+    drafter,
+    input_ids: torch.LongTensor,
+    selective_prefill: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    **generate_kwargs,
+) -> SelectivePrefillOutput:
+    """D3D speculative decoding, optionally with selective prefill.
+
+    input_ids: `(1, L)`; selective_prefill: retention rho in (0, 1]. At 1 this is exactly
+    `target.generate(input_ids, assistant_model=drafter, **generate_kwargs)`. Below 1 the drafter's probe picks the
+    chunks (`select_prompt_chunks`), the target generates from the reduced prompt with the drafter drafting from the
+    full one (`SelectivePrefillDrafter`); an `attention_mask` in `generate_kwargs` is reduced alike.
+    """
+    check_prefill_arguments(input_ids, selective_prefill, chunk_size)
+    if "assistant_model" in generate_kwargs:
+        raise ValueError("d3d_generate drafts with `drafter`; do not pass assistant_model")
+    if selective_prefill == 1.0:
+        drafter.generation_stats = None
+        output = target.generate(input_ids, assistant_model=drafter, **generate_kwargs)
+        result = SelectivePrefillOutput(output, input_ids, None, drafter.generation_stats)
+    else:
+        token_scores, cache = probe_token_importance(drafter, input_ids)
+        selection = choose_chunks(token_scores, selective_prefill, chunk_size)
+        reduced = selection.reduce(input_ids)
+        if generate_kwargs.get("attention_mask") is not None:
+            generate_kwargs["attention_mask"] = selection.reduce(generate_kwargs["attention_mask"])
+        assistant = SelectivePrefillDrafter(drafter, input_ids, reduced, cache)
+        output = target.generate(reduced.to(target.device), assistant_model=assistant, **generate_kwargs)
+        result = SelectivePrefillOutput(output, reduced, selection, assistant.generation_stats, assistant)
+    if result.stats is not None:
+        result.stats.settle(result.sequences.cpu())
+    return result
+
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "PromptSelection",
+    "SelectivePrefillDrafter",
+    "SelectivePrefillOutput",
+    "check_prefill_arguments",
+    "choose_chunks",
+    "chunk_spans",
+    "d3d_generate",
+    "probe_token_importance",
+    "select_prompt_chunks",
+]

@@ -1,0 +1,38 @@
+"""How the Space shows selective prefill: the prompt's chunks, kept ones highlighted, each with its probe score.
+
+Every chunk is a `<span class="d3d-chunk" data-kept="true|false" data-score="S">` holding the chunk's text; kept
+chunks (what the target prefills) are shaded by score, dropped ones greyed out. The span's title gives the chunk's
+index, token range and score.
+"""
+
+import html
+
+TEXT_STYLE = "white-space: pre-wrap; font-family: ui-monospace, monospace; line-height: 1.7; color: #111827"
+
+
+def kept_chunks_html(tokenizer, input_ids, selection) -> str:
+    """HTML of the prompt `(1, L)` cut into `selection.spans` (a `PromptSelection`), kept chunks highlighted."""
+    ids = input_ids[0].tolist()
+    top = float(selection.scores.max()) if selection.scores is not None else 1.0
+    spans = []
+    for index, (start, end) in enumerate(selection.spans):
+        kept = index in selection.kept
+        score = float(selection.scores[index]) if selection.scores is not None else float("nan")
+        strength = 0.25 + 0.75 * (score / top if top > 0 else 0.0)
+        style = (
+            f"background-color: rgba(59, 130, 246, {strength:.2f}); border-radius: 3px" if kept
+            else "color: #9ca3af; text-decoration: line-through"
+        )
+        spans.append(
+            f'<span class="d3d-chunk" data-kept="{str(kept).lower()}" data-score="{score:.4f}" '
+            f'title="chunk {index}, tokens {start}-{end}, score {score:.4f}" style="{style}">'
+            f"{html.escape(tokenizer.decode(ids[start:end]))}</span>"
+        )
+    summary = (
+        f'<div class="d3d-prefill-summary">kept {len(selection.kept)} of {len(selection.spans)} chunks: '
+        f"{selection.kept_length} of {selection.prompt_length} tokens (retention {selection.retention:g})</div>"
+    )
+    return f'{summary}<div class="d3d-prefill" style="{TEXT_STYLE}; padding: 8px">{"".join(spans)}</div>'
+
+
+__all__ = ["kept_chunks_html"]
