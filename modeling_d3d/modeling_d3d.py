@@ -95,6 +95,7 @@ class D3DForBlockDiffusion(D3DPreTrainedModel, GenerationMixin):
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.generation_stats: SpeculativeStats | None = None
+        self.batch_stats = None  # a batched_d3d.BatchStats after generate_batch
         self.post_init()
         self.use_assisted_generation_defaults()
 
@@ -183,6 +184,18 @@ class D3DForBlockDiffusion(D3DPreTrainedModel, GenerationMixin):
         """An asynchronous drafter for `target.generate(..., assistant_model=...)`; `settings`: coverage, fanout,
         worker_threads (see `async_d3d.D3DAssistedGenerator`)."""
         return D3DAssistedGenerator(self, device=device, **settings)
+
+    def generate_batch(self, target: PreTrainedModel, input_ids: torch.LongTensor, attention_mask=None, **generate_kwargs):
+        """Batched speculative decoding of left-padded prompts `(batch, P)` (with their `attention_mask`) for `target`:
+        `target.generate(..., custom_generate=batched_speculative_generate, drafter=self)` (see `batched_d3d`).
+        Rows accept their own number of tokens a round and leave at their own EOS or length; statistics go to
+        `self.batch_stats`."""
+        from .batched_d3d import batched_speculative_generate  # batched_d3d builds on this module
+
+        return target.generate(
+            input_ids, attention_mask=attention_mask, custom_generate=batched_speculative_generate, drafter=self,
+            **generate_kwargs,
+        )
 
     def check_compatibility(self, target: PreTrainedModel, target_tokenizer=None, drafter_tokenizer=None) -> None:
         """Raise `ValueError` unless this drafter can draft for `target` (see `speculative_d3d.check_compatibility`)."""
