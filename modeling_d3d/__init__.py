@@ -4,9 +4,11 @@ from .async_d3d import D3DAssistedGenerator
 from .batched_d3d import BatchStats, D3DBatchDecoder, RowSettings, batched_speculative_generate
 from .configuration_d3d import D3DConfig
 from .modeling_d3d import D3DBlockDraft, D3DForBlockDiffusion, D3DPackedOutput, choose_mask_token_id
+from .serving_d3d import D3DBatchServer, RequestHandle
 from .speculative_d3d import SpeculativeStats
 
 __all__ = [
-    "BatchStats", "D3DAssistedGenerator", "D3DBatchDecoder", "D3DBlockDraft", "D3DConfig", "D3DForBlockDiffusion",
-    "D3DPackedOutput", "RowSettings", "SpeculativeStats", "batched_speculative_generate", "choose_mask_token_id",
+    "BatchStats", "D3DAssistedGenerator", "D3DBatchDecoder", "D3DBatchServer", "D3DBlockDraft", "D3DConfig",
+    "D3DForBlockDiffusion", "D3DPackedOutput", "RequestHandle", "RowSettings", "SpeculativeStats",
+    "batched_speculative_generate", "choose_mask_token_id",
 ]

@@ -291,11 +291,7 @@ class D3DBatchDecoder:
     @torch.no_grad()
     def add(self, key: Hashable, prompt: list[int], settings: RowSettings) -> None:
         """Prefill `prompt` (all but its last token) in both models, alone, and join the batch."""
-        if not prompt:
-            raise ValueError("A prompt needs at least one token")
-        limit = getattr(self.target.config.get_text_config(), "max_position_embeddings", None)
-        if limit is not None and len(prompt) + settings.max_new_tokens + self.drafter.config.block_size > limit:
-            raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens + block size exceeds max_position_embeddings {limit}")
+        self.check_request(prompt, settings)
         if any(row.key == key for row in self.rows):
             raise ValueError(f"A row with key {key!r} is already in the batch")
         seed = settings.seed if settings.seed is not None else int(torch.randint(2**62, (1,)))
@@ -311,6 +307,18 @@ class D3DBatchDecoder:
             drafter_cached=len(prompt) - 1,
         ))
         self.stats.prefill_seconds += time.perf_counter() - start
+
+    def check_request(self, prompt: list[int], settings: RowSettings) -> None:
+        """Raise `ValueError` unless `prompt` can be decoded with `settings` (not empty, within both models'
+        positions and vocabulary)."""
+        if not prompt:
+            raise ValueError("A prompt needs at least one token")
+        if not all(0 <= token < self.drafter.config.vocab_size for token in prompt):
+            raise ValueError(f"Prompt token ids must lie in 0..{self.drafter.config.vocab_size - 1}")
+        limits = [getattr(m.config.get_text_config(), "max_position_embeddings", None) for m in (self.target, self.drafter)]
+        limit = min((limit for limit in limits if limit is not None), default=None)
+        if limit is not None and len(prompt) + settings.max_new_tokens + self.drafter.config.block_size > limit:
+            raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens + block size exceeds max_position_embeddings {limit}")
 
     @staticmethod
     def _prefill(model, prompt: list[int]) -> DynamicCache:

@@ -197,6 +197,13 @@ class D3DForBlockDiffusion(D3DPreTrainedModel, GenerationMixin):
             **generate_kwargs,
         )
 
+    def batch_server(self, target: PreTrainedModel, max_batch_size: int = 8):
+        """A `serving_d3d.D3DBatchServer` decoding requests for `target` with this drafter, up to `max_batch_size`
+        at once (submit, stream, cancel; thread-safe)."""
+        from .serving_d3d import D3DBatchServer  # serving_d3d builds on this module
+
+        return D3DBatchServer(target, self, max_batch_size)
+
     def check_compatibility(self, target: PreTrainedModel, target_tokenizer=None, drafter_tokenizer=None) -> None:
         """Raise `ValueError` unless this drafter can draft for `target` (see `speculative_d3d.check_compatibility`)."""
         check_compatibility(self, target, target_tokenizer, drafter_tokenizer)
