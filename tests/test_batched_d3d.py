@@ -7,12 +7,12 @@ from collections import Counter
 import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
+from transformers.cache_utils import DynamicCache
 
-from conftest import always_predicts, tiny_target
+from conftest import always_predicts, run_without_project, tiny_target
 from distribution import NEW_TOKENS, PROMPT, SAMPLES, VOCAB, chi_square_p_value, exact_distribution, processors
 from modeling_d3d import D3DBatchDecoder, D3DForBlockDiffusion, RowSettings
 from modeling_d3d.batched_d3d import compact, join_rows, rejection_sample
-from transformers.cache_utils import DynamicCache
 
 
 def pair(seed: int, block_size: int, vocab_size: int, **kwargs):
@@ -293,3 +293,30 @@ def test_bad_input_is_refused_with_a_clear_error():
         decoder.add(0, [3], RowSettings(5))
     with pytest.raises(ValueError, match="drafter="):
         target.generate(torch.tensor([[1, 2]]), custom_generate=__import__("modeling_d3d").batched_speculative_generate)
+
+
+REMOTE_BATCH = """
+    import torch
+    from transformers import AutoModel, Qwen3Config, Qwen3ForCausalLM
+
+    drafter = AutoModel.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+    torch.manual_seed(0)
+    target = Qwen3ForCausalLM(Qwen3Config(vocab_size=drafter.config.vocab_size, hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                          head_dim=8)).eval()
+    ids, mask = torch.tensor([[0, 0, 5, 6], [1, 2, 3, 4]]), torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    out = drafter.generate_batch(target, ids, attention_mask=mask, max_new_tokens=9, do_sample=False)
+    alone = [target.generate(ids[i : i + 1, 2 * (1 - i) :], max_new_tokens=9, do_sample=False)[0, -9:] for i in range(2)]
+    assert torch.equal(out[:, 4:], torch.stack(alone))
+    with drafter.batch_server(target, max_batch_size=2) as server:
+        assert server.submit([5, 6], max_new_tokens=9).result(timeout=60) == alone[0].tolist()
+    print("batched remote code ok")
+"""
+
+
+def test_batched_decoding_works_from_the_saved_remote_code(tmp_path):
+    D3DForBlockDiffusion.from_backbone(tiny_target(3, vocab_size=96), block_size=5).save_pretrained(tmp_path / "drafter")
+    assert {"batched_d3d.py", "serving_d3d.py"} <= {path.name for path in (tmp_path / "drafter").iterdir()}
+    result = run_without_project(REMOTE_BATCH, str(tmp_path / "drafter"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "batched remote code ok" in result.stdout
