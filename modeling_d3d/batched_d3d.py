@@ -18,6 +18,7 @@ Key and value tensors carry their rotary positions, so moving cache columns is e
 row. The target must use full attention in every layer (sliding windows cannot be compacted this way).
 """
 
+import threading
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ import torch
 from transformers import LogitsProcessorList
 from transformers.cache_utils import DynamicCache
 
+from .async_d3d import DEFAULT_COVERAGE, DEFAULT_FANOUT, check_budget
 from .masking_d3d import CAUSAL_BLOCK_ID
 from .modeling_d3d import propose
 from .speculative_d3d import check_compatibility, synchronize
@@ -79,7 +81,8 @@ class RoundOutcome:
 
 @dataclass
 class BatchStats:
-    """Totals over the rounds of a decoder: `tau` is tokens added per row per round (the target's token included)."""
+    """Totals over the rounds of a decoder: `tau` is tokens added per row per round (the target's token included);
+    `hit_rate`: rows served from a prepared branch over rows that had branches to look up (asynchronous drafting)."""
 
     rounds: int = 0
     row_rounds: int = 0
@@ -88,10 +91,16 @@ class BatchStats:
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    lookups: int = 0
+    cache_hits: int = 0
 
     @property
     def tau(self) -> float:
         return self.new_tokens / self.row_rounds if self.row_rounds else float("nan")
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.cache_hits / self.lookups if self.lookups else None
 
 
 # --- cache operations: a batch cache is a DynamicCache plus a validity mask `(rows, columns)` --------------------------
@@ -211,6 +220,97 @@ def verify_pass(target, cache: DynamicCache, valid: torch.Tensor, rows: list[Bat
         past_key_values=cache,
         use_cache=True,
     ).logits.float()
+
+
+@torch.no_grad()
+def successor_pass(
+    drafter,
+    cache: DynamicCache,
+    valid: torch.Tensor,
+    contexts: list[list[int]],
+    cached: list[int],
+    drafts: list[torch.Tensor],
+    draft_logits: list[torch.Tensor],
+    coverage: int,
+    fanout: int,
+    sampling: list[tuple[LogitsProcessorList, bool, torch.Generator]],
+) -> tuple[torch.Tensor, list[dict]]:
+    """ONE packed pass preparing, for every row, the next block for each likely outcome of verifying its drafts (the
+    batched form of `D3DForBlockDiffusion.draft_successors`).
+
+    Per row: contexts[i] (its tokens, last = anchor), cached[i] of them in the cache, drafts[i] `(n,)` and their
+    processed logits `(n, vocab)`; sampling[i] = (logits processors, do_sample, generator). Branches: for each of the
+    first `coverage - 1` draft positions j, the `fanout` most probable drafter tokens other than draft j as anchors
+    after drafts[:j]; and the full-acceptance branch anchored on the last draft (its first prediction guesses the
+    target's token). Rows are right-aligned (left padding), each row's blocks padded to the largest count with copies
+    of its full-acceptance block. The cache gains each row's uncached tokens and drafts (the caller invalidates the
+    rejected ones). Returns the new validity mask and per row `{key: (tokens (m,), processed logits (m, vocab))}`,
+    key = the tokens the verified prefix must add after contexts[i]; a row whose processing fails gets no branches.
+    """
+    block_size = drafter.config.block_size
+    device = drafter.model.embed_tokens.weight.device
+    causal = [context[start:] + d.tolist() for context, start, d in zip(contexts, cached, drafts)]
+    width, past = max(len(tokens) for tokens in causal), valid.shape[1]
+    plans = []  # per row: (key or None for full acceptance, anchor token, visible prefix column, anchor position)
+    for context, start, tokens, row_drafts, logits in zip(contexts, cached, causal, drafts, draft_logits):
+        first_draft = past + width - len(tokens) + len(context) - start
+        ranked = logits.topk(min(fanout + 1, logits.shape[-1]), dim=-1).indices.tolist()
+        listed = row_drafts.tolist()
+        plan = []
+        for j in range(min(coverage - 1, len(listed))):
+            for token in [t for t in ranked[j] if t != listed[j]][:fanout]:
+                plan.append((tuple(listed[:j]) + (token,), token, first_draft + j, len(context) + j))
+        plan.append((None, listed[-1], first_draft + len(listed) - 1, len(context) + len(listed) - 1))
+        plans.append(plan)
+    blocks = max(len(plan) for plan in plans)
+    rows, length = len(contexts), width + blocks * block_size
+    ids = torch.full((rows, length), drafter.config.mask_token_id, dtype=torch.long)
+    new_valid = torch.ones(rows, length, dtype=torch.bool)
+    new_valid[:, :width] = False
+    position_ids = torch.zeros(rows, length, dtype=torch.long)
+    block_ids = torch.full((rows, length), CAUSAL_BLOCK_ID, dtype=torch.long)
+    visible_prefix = torch.arange(past + 1, past + length + 1).repeat(rows, 1)
+    offsets = torch.arange(block_size)
+    for i, (tokens, start, plan) in enumerate(zip(causal, cached, plans)):
+        ids[i, width - len(tokens) : width] = torch.tensor(tokens)
+        new_valid[i, width - len(tokens) : width] = True
+        position_ids[i, width - len(tokens) : width] = torch.arange(start, start + len(tokens))
+        for k in range(blocks):
+            _, anchor, column, position = plan[min(k, len(plan) - 1)]
+            columns = slice(width + k * block_size, width + (k + 1) * block_size)
+            ids[i, columns.start] = anchor
+            position_ids[i, columns] = position + offsets
+            block_ids[i, columns] = k
+            visible_prefix[i, columns] = column
+    logits = drafter(
+        input_ids=ids.to(device),
+        attention_mask=torch.cat([valid, new_valid], dim=1).to(device),
+        position_ids=position_ids.to(device),
+        block_ids=block_ids.to(device),
+        visible_prefix=visible_prefix.to(device),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=blocks * block_size,
+    ).logits.float()
+    cache.crop(-blocks * block_size)
+    logits = logits.reshape(rows, blocks, block_size, -1)[:, :, 1:]
+    branches = []
+    for i, (context, row_drafts, plan) in enumerate(zip(contexts, drafts, plans)):
+        processors, do_sample, generator = sampling[i]
+        prepared = {}
+        try:
+            for k, (key, anchor, _, _) in enumerate(plan):
+                prefix = context + (list(key) if key is not None else row_drafts.tolist())
+                tokens, processed = propose(logits[i, k][None], torch.tensor([prefix], device=logits.device),
+                                            processors, do_sample, generator)
+                if key is None:
+                    prepared[tuple(row_drafts.tolist()) + (int(tokens[0, 0]),)] = (tokens[0, 1:], processed[0, 1:])
+                else:
+                    prepared[key] = (tokens[0], processed[0])
+        except Exception:  # this row misses next round; its own drafting then reports the error
+            prepared = {}
+        branches.append(prepared)
+    return torch.cat([valid, new_valid[:, :width]], dim=1), branches
 
 
 def process_target_logits(
@@ -357,39 +457,31 @@ class D3DBatchDecoder:
             return []
         outcomes: list[RoundOutcome] = []
         start = time.perf_counter()
-        raw, self._drafter_valid = draft_pass(self.drafter, self._drafter_cache, self._drafter_valid, self.rows)
-        drafts, draft_logits, kept = [], [], []
-        for i, row in enumerate(self.rows):
-            try:
-                tokens, logits = propose(raw[i : i + 1], torch.tensor([row.tokens], device=raw.device),
-                                         row.settings.logits_processor, row.settings.do_sample, row.draft_rng)
-            except Exception as error:  # this row's processing failed: it leaves, the others go on
-                outcomes.append(RoundOutcome(row.key, [], True, error))
-                continue
-            drafts.append(tokens[0])
-            draft_logits.append(logits[0])
-            kept.append(i)
-        self._keep(kept)
+        drafts, draft_logits = self._draft(outcomes)
         synchronize(self.drafter.device)
         self.stats.draft_seconds += time.perf_counter() - start
         if not self.rows:
             return outcomes
 
         start = time.perf_counter()
-        drafts_tensor = torch.stack(drafts)
-        target_logits = verify_pass(self.target, self._target_cache, self._target_valid, self.rows, drafts_tensor)
-        accepted = torch.zeros(len(self.rows), drafts_tensor.shape[1] + 1, dtype=torch.bool)
-        survivors = []
+        worker = self._start_successors(drafts, draft_logits)
+        padded = torch.nn.utils.rnn.pad_sequence([d.cpu() for d in drafts], batch_first=True)
+        target_logits = verify_pass(self.target, self._target_cache, self._target_valid, self.rows, padded)
+        accepted = torch.zeros(len(self.rows), padded.shape[1] + 1, dtype=torch.bool)
+        added_drafts, survivors = [], []
         for i, row in enumerate(self.rows):
+            n = drafts[i].shape[0]
             try:
-                p = process_target_logits(row.settings.logits_processor, row.tokens, drafts[i], target_logits[i])
+                p = process_target_logits(row.settings.logits_processor, row.tokens, drafts[i], target_logits[i, : n + 1])
                 if row.settings.do_sample:
                     added = rejection_sample(drafts[i], draft_logits[i], p, row.verify_rng)
                 else:
                     added = greedy_accept(drafts[i], p)
             except Exception as error:
                 outcomes.append(RoundOutcome(row.key, [], True, error))
+                added_drafts.append(0)
                 continue
+            added_drafts.append(len(added) - 1)
             added, finished = finish(row, added)
             row.tokens += added
             row.rounds += 1
@@ -402,10 +494,123 @@ class D3DBatchDecoder:
                 survivors.append(i)
         self.stats.rounds += 1
         self._target_valid = compact(self._target_cache, torch.cat([self._target_valid, accepted], dim=1))
+        self._finish_successors(worker, drafts, added_drafts)
         self._keep(survivors)
         synchronize(self.target.device)
         self.stats.verify_seconds += time.perf_counter() - start
         return outcomes
+
+    def _draft(self, outcomes: list[RoundOutcome]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """One drafting pass for every row, then each row's proposal; rows whose processing fails leave (with their
+        error in `outcomes`). Returns per remaining row drafts `(n,)` and processed logits `(n, vocab)`."""
+        raw, self._drafter_valid = draft_pass(self.drafter, self._drafter_cache, self._drafter_valid, self.rows)
+        return self._propose(raw, range(len(self.rows)), outcomes)
+
+    def _propose(self, raw: torch.Tensor, indices, outcomes: list[RoundOutcome], ready=None):
+        """Drafts and q for the rows `indices` from raw block logits (rows listed in `ready` keep theirs)."""
+        drafts, draft_logits, kept = [], [], []
+        for i, row in enumerate(self.rows):
+            if ready is not None and i in ready:
+                tokens, logits = ready[i]
+            elif i in indices:
+                try:
+                    tokens, logits = propose(raw[i : i + 1], torch.tensor([row.tokens], device=raw.device),
+                                             row.settings.logits_processor, row.settings.do_sample, row.draft_rng)
+                except Exception as error:  # this row's processing failed: it leaves, the others go on
+                    outcomes.append(RoundOutcome(row.key, [], True, error))
+                    continue
+                tokens, logits = tokens[0], logits[0]
+            drafts.append(tokens)
+            draft_logits.append(logits)
+            kept.append(i)
+        self._keep(kept)
+        return drafts, draft_logits
+
+    def _start_successors(self, drafts: list[torch.Tensor], draft_logits: list[torch.Tensor]):
+        """Synchronous drafting prepares nothing while the target verifies (see `D3DAsyncBatchDecoder`)."""
+        return None
+
+    def _finish_successors(self, worker, drafts: list[torch.Tensor], accepted_drafts: list[int]) -> None:
+        return None
+
+
+class D3DAsyncBatchDecoder(D3DBatchDecoder):
+    """Batched D3D with asynchronous drafting: while the target verifies a round, a worker thread runs ONE packed
+    successor pass for every row (`successor_pass`, budget `B((C - 1)F + 2)` tokens per row). Next round each row
+    looks its verified tokens up among its branches: when every row hits, no drafting pass runs; otherwise one
+    batched drafting pass serves the rows that missed (on an accelerator a pass for a few rows costs about as long as
+    one for all). coverage `C` (default min(12, B)) and fanout `F` (default 2) as in `D3DAssistedGenerator`."""
+
+    def __init__(self, target, drafter, coverage: int | None = None, fanout: int = DEFAULT_FANOUT):
+        super().__init__(target, drafter)
+        block_size = drafter.config.block_size
+        self.coverage = min(DEFAULT_COVERAGE, block_size) if coverage is None else coverage
+        self.fanout = fanout
+        check_budget(block_size, self.coverage, fanout)
+        self._branches: dict[Hashable, tuple[int, dict]] = {}
+
+    def add(self, key: Hashable, prompt: list[int], settings: RowSettings) -> None:
+        self._branches.pop(key, None)  # branches of an earlier row with this key
+        super().add(key, prompt, settings)
+
+    def reset(self) -> None:
+        super().reset()
+        self._branches = {}
+
+    def _draft(self, outcomes: list[RoundOutcome]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        ready = {}
+        for i, row in enumerate(self.rows):
+            prepared = self._branches.get(row.key)
+            if prepared is None:  # joined since the last round
+                continue
+            base, branches = prepared
+            self.stats.lookups += 1
+            branch = branches.get(tuple(row.tokens[base:]))
+            if branch is not None and branch[0].shape[0] > 0:
+                ready[i] = branch
+                self.stats.cache_hits += 1
+        self._branches = {}
+        missing = [i for i in range(len(self.rows)) if i not in ready]
+        raw = None
+        if missing:
+            raw, self._drafter_valid = draft_pass(self.drafter, self._drafter_cache, self._drafter_valid, self.rows)
+        return self._propose(raw, missing, outcomes, ready)
+
+    def _start_successors(self, drafts: list[torch.Tensor], draft_logits: list[torch.Tensor]):
+        """Start the successor pass on a worker thread, on snapshots of the rows (the verifier changes them)."""
+        contexts = [list(row.tokens) for row in self.rows]
+        arguments = (
+            self.drafter, self._drafter_cache, self._drafter_valid, contexts, [row.drafter_cached for row in self.rows],
+            drafts, draft_logits, self.coverage, self.fanout,
+            [(row.settings.logits_processor, row.settings.do_sample, row.draft_rng) for row in self.rows],
+        )
+        result: dict = {}
+
+        def work() -> None:
+            try:
+                result["value"] = successor_pass(*arguments)
+                synchronize(self.drafter.device)
+            except Exception as error:  # raised on the scheduler's thread by _finish_successors
+                result["error"] = error
+
+        worker = threading.Thread(target=work, name="d3d-batch-drafter", daemon=True)
+        worker.start()
+        return worker, result, contexts
+
+    def _finish_successors(self, worker, drafts: list[torch.Tensor], accepted_drafts: list[int]) -> None:
+        """Wait for the successor pass; drop each row's rejected drafts from the drafter cache; keep the branches."""
+        thread, result, contexts = worker
+        thread.join()
+        if "error" in result:
+            raise result["error"]
+        valid, branches = result["value"]
+        for i, row in enumerate(self.rows):
+            rejected = drafts[i].shape[0] - accepted_drafts[i]
+            if rejected:
+                valid[i, valid.shape[1] - rejected :] = False
+            row.drafter_cached = len(contexts[i]) + accepted_drafts[i]
+            self._branches[row.key] = (len(contexts[i]), branches[i])
+        self._drafter_valid = compact(self._drafter_cache, valid)
 
 
 def batched_speculative_generate(
@@ -417,14 +622,18 @@ def batched_speculative_generate(
     synced_gpus: bool = False,
     streamer=None,
     drafter=None,
+    asynchronous: bool = False,
+    coverage: int | None = None,
+    fanout: int = DEFAULT_FANOUT,
     **model_kwargs,
 ) -> torch.LongTensor:
     """`target.generate(input_ids, attention_mask=..., custom_generate=batched_speculative_generate, drafter=drafter)`.
 
     input_ids: `(batch, P)` left-padded prompts with their `attention_mask`. Each row is decoded as if alone (same
     `max_new_tokens`, its own EOS), with generate's logits processors and `do_sample`; rows that finish leave the
-    batch. Returns `(batch, P + longest)` sequences, finished rows padded with `pad_token_id` after their EOS (as
-    `generate` pads). The decoder's statistics go to `drafter.batch_stats`. Stopping criteria other than EOS and
+    batch. `asynchronous=True` prepares successor blocks on a worker thread while the target verifies
+    (`D3DAsyncBatchDecoder`, with `coverage` and `fanout`). Returns `(batch, P + longest)` sequences, finished rows
+    padded with `pad_token_id` after their EOS (as `generate` pads). The decoder's statistics go to `drafter.batch_stats`. Stopping criteria other than EOS and
     length are not applied; streamers are not supported (use `D3DBatchServer` to receive tokens as they come).
     """
     if drafter is None:
@@ -437,7 +646,7 @@ def batched_speculative_generate(
     eos = generation_config.eos_token_id
     eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
     max_new_tokens = generation_config.max_length - input_ids.shape[1]
-    decoder = D3DBatchDecoder(model, drafter)
+    decoder = D3DAsyncBatchDecoder(model, drafter, coverage, fanout) if asynchronous else D3DBatchDecoder(model, drafter)
     for index in range(input_ids.shape[0]):
         prompt = input_ids[index][attention_mask[index].bool()].tolist()
         decoder.add(index, prompt, RowSettings(max_new_tokens, bool(generation_config.do_sample), eos_ids, logits_processor))
@@ -457,7 +666,7 @@ def batched_speculative_generate(
 
 
 __all__ = [
-    "BatchRow", "BatchStats", "D3DBatchDecoder", "RoundOutcome", "RowSettings", "batched_speculative_generate",
-    "compact", "draft_pass", "finish", "greedy_accept", "join_rows", "process_target_logits", "rejection_sample",
-    "select_rows", "verify_pass",
+    "BatchRow", "BatchStats", "D3DAsyncBatchDecoder", "D3DBatchDecoder", "RoundOutcome", "RowSettings",
+    "batched_speculative_generate", "compact", "draft_pass", "finish", "greedy_accept", "join_rows", "process_target_logits", "rejection_sample",
+    "select_rows", "successor_pass", "verify_pass",
 ]

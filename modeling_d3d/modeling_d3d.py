@@ -188,7 +188,8 @@ class D3DForBlockDiffusion(D3DPreTrainedModel, GenerationMixin):
     def generate_batch(self, target: PreTrainedModel, input_ids: torch.LongTensor, attention_mask=None, **generate_kwargs):
         """Batched speculative decoding of left-padded prompts `(batch, P)` (with their `attention_mask`) for `target`:
         `target.generate(..., custom_generate=batched_speculative_generate, drafter=self)` (see `batched_d3d`).
-        Rows accept their own number of tokens a round and leave at their own EOS or length; statistics go to
+        Rows accept their own number of tokens a round and leave at their own EOS or length; `asynchronous=True`
+        (with `coverage`, `fanout`) prepares successor blocks while the target verifies; statistics go to
         `self.batch_stats`."""
         from .batched_d3d import batched_speculative_generate  # batched_d3d builds on this module
 
@@ -197,12 +198,12 @@ class D3DForBlockDiffusion(D3DPreTrainedModel, GenerationMixin):
             **generate_kwargs,
         )
 
-    def batch_server(self, target: PreTrainedModel, max_batch_size: int = 8):
+    def batch_server(self, target: PreTrainedModel, max_batch_size: int = 8, **settings):
         """A `serving_d3d.D3DBatchServer` decoding requests for `target` with this drafter, up to `max_batch_size`
-        at once (submit, stream, cancel; thread-safe)."""
+        at once (submit, stream, cancel; thread-safe); `settings`: asynchronous, coverage, fanout."""
         from .serving_d3d import D3DBatchServer  # serving_d3d builds on this module
 
-        return D3DBatchServer(target, self, max_batch_size)
+        return D3DBatchServer(target, self, max_batch_size, **settings)
 
     def check_compatibility(self, target: PreTrainedModel, target_tokenizer=None, drafter_tokenizer=None) -> None:
         """Raise `ValueError` unless this drafter can draft for `target` (see `speculative_d3d.check_compatibility`)."""

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 from transformers import LogitsProcessorList
 
-from .batched_d3d import BatchStats, D3DBatchDecoder, RowSettings
+from .async_d3d import DEFAULT_FANOUT
+from .batched_d3d import BatchStats, D3DAsyncBatchDecoder, D3DBatchDecoder, RowSettings
 
 _END = object()
 
@@ -120,15 +121,26 @@ class D3DBatchServer:
     """Continuous batched speculative decoding behind a thread-safe request API.
 
     target: the causal LM; drafter: a `D3DForBlockDiffusion` for it; max_batch_size: rows decoded together (further
-    requests wait for a free row). Use as a context manager or call `close()`.
+    requests wait for a free row); asynchronous: prepare successor blocks on a worker thread while the target
+    verifies (`D3DAsyncBatchDecoder`, with `coverage` and `fanout`). Use as a context manager or call `close()`.
     """
 
-    def __init__(self, target, drafter, max_batch_size: int = 8):
+    def __init__(
+        self,
+        target,
+        drafter,
+        max_batch_size: int = 8,
+        asynchronous: bool = False,
+        coverage: int | None = None,
+        fanout: int = DEFAULT_FANOUT,
+    ):
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
         self.target = target
         self.max_batch_size = max_batch_size
-        self._decoder = D3DBatchDecoder(target, drafter)
+        self._decoder = (
+            D3DAsyncBatchDecoder(target, drafter, coverage, fanout) if asynchronous else D3DBatchDecoder(target, drafter)
+        )
         self._queues = _Queues([], {})
         self._ids = itertools.count()
         self._condition = threading.Condition()
