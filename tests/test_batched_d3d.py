@@ -11,8 +11,10 @@ from transformers.cache_utils import DynamicCache
 
 from conftest import always_predicts, run_without_project, tiny_target
 from distribution import NEW_TOKENS, PROMPT, SAMPLES, VOCAB, chi_square_p_value, exact_distribution, processors
-from modeling_d3d import D3DBatchDecoder, D3DForBlockDiffusion, RowSettings
-from modeling_d3d.batched_d3d import compact, join_rows, rejection_sample
+from modeling_d3d import D3DAsyncBatchDecoder, D3DBatchDecoder, D3DForBlockDiffusion, RowSettings
+from modeling_d3d.batched_d3d import compact, join_rows, rejection_sample, successor_pass
+
+DECODERS = {"sync": D3DBatchDecoder, "async": D3DAsyncBatchDecoder}
 
 
 def pair(seed: int, block_size: int, vocab_size: int, **kwargs):
@@ -48,7 +50,8 @@ def drive(decoder: D3DBatchDecoder, outputs: dict, rounds: int | None = None) ->
     return errors
 
 
-def test_every_row_of_a_mixed_length_batch_equals_the_target_alone():
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_every_row_of_a_mixed_length_batch_equals_the_target_alone(asynchronous):
     generator = torch.Generator().manual_seed(0)
     accepted = []
     for (vocab, block), seed in itertools.product([(6, 4), (8, 16), (96, 3), (12, 7)], [0, 1]):
@@ -56,7 +59,8 @@ def test_every_row_of_a_mixed_length_batch_equals_the_target_alone():
         lengths = [1, block - 1, block, block + 1, 3 * block + 2, 2]
         prompts = [torch.randint(0, vocab, (n,), generator=generator) for n in lengths]
         ids, mask = left_pad(prompts)
-        out = drafter.generate_batch(target, ids, attention_mask=mask, max_new_tokens=23, do_sample=False)
+        out = drafter.generate_batch(target, ids, attention_mask=mask, max_new_tokens=23, do_sample=False,
+                                     asynchronous=asynchronous)
         assert out.shape == (len(prompts), ids.shape[1] + 23)
         for row, prompt in enumerate(prompts):
             assert out[row, ids.shape[1] :].tolist() == alone(target, prompt, 23), (vocab, block, seed, row)
@@ -181,10 +185,11 @@ class FailsAfter(LogitsProcessor):
         return scores
 
 
-def test_a_failing_row_ends_with_its_error_and_the_others_finish():
+@pytest.mark.parametrize("kind", DECODERS)
+def test_a_failing_row_ends_with_its_error_and_the_others_finish(kind):
     target, drafter = pair(0, 4, 12)
     prompts = {0: [1, 2, 3], 1: [4, 5, 6, 7, 8], 2: [9]}
-    decoder = D3DBatchDecoder(target, drafter)
+    decoder = DECODERS[kind](target, drafter)
     for key, prompt in prompts.items():
         failing = LogitsProcessorList([FailsAfter(3)]) if key == 1 else LogitsProcessorList()
         decoder.add(key, prompt, RowSettings(20, logits_processor=failing))
@@ -220,14 +225,16 @@ def sampling_models():
     return target, drafter
 
 
-def test_each_sampled_row_follows_the_target_distribution(sampling_models):
-    """Rows of two prompts of different lengths, decoded together with rows joining as others finish (continuous
+@pytest.mark.parametrize("kind,names", [("sync", ("short", "long")), ("async", ("long",))])  # async: half, for time
+def test_each_sampled_row_follows_the_target_distribution(sampling_models, kind, names):
+    """Rows of prompts of different lengths, decoded together with rows joining as others finish (continuous
     batching), each with its own seed: per prompt, a chi-square test against the exact distribution."""
     target, drafter = sampling_models
     prompts = {"short": PROMPT[0].tolist(), "long": [3, 1, 4, 1, 5, 2, 6, 5, 3, 5, 7]}
+    prompts = {name: prompts[name] for name in names}
     counts = {name: Counter() for name in prompts}
     queue = [(name, index) for index in range(SAMPLES) for name in prompts]
-    decoder, outputs = D3DBatchDecoder(target, drafter), {}
+    decoder, outputs = DECODERS[kind](target, drafter), {}
     while queue or len(decoder):
         while queue and len(decoder) < 64:
             name, index = queue.pop()
@@ -240,6 +247,7 @@ def test_each_sampled_row_follows_the_target_distribution(sampling_models):
                 counts[outcome.key[0]][tuple(outputs.pop(outcome.key))] += 1
     lengths = decoder.stats.accepted_lengths
     assert 1 in lengths and max(lengths) >= 2
+    assert kind == "sync" or 0 < decoder.stats.cache_hits < decoder.stats.lookups  # async rows used prepared branches
     for name, prompt in prompts.items():
         expected = exact_distribution(target, torch.tensor([prompt]))
         assert chi_square_p_value(counts[name], expected, SAMPLES) > 1e-3, name
@@ -259,6 +267,61 @@ def test_rejection_sample_draws_from_p_and_fails_when_the_drafts_do_not_come_fro
     expected = {(token,): probability for token, probability in enumerate(p_logits[0].softmax(-1).tolist())}
     assert chi_square_p_value(honest, expected, SAMPLES) > 1e-3
     assert chi_square_p_value(broken, expected, SAMPLES) < 1e-6
+
+
+@pytest.mark.parametrize("coverage,fanout", [(4, 2), (1, 2), (3, 0), (2, 3)])
+def test_each_successor_branch_of_each_row_equals_block_drafting_from_its_own_prefix(coverage, fanout):
+    """The packed, ragged successor pass: rows of different lengths, different cached prefixes and draft counts."""
+    _, drafter = pair(3, 5, 96)
+    generator = torch.Generator().manual_seed(coverage * 10 + fanout)
+    contexts = [torch.randint(0, 96, (n,), generator=generator).tolist() for n in (6, 13, 2)]
+    cached = [5, 9, 0]
+    cache, valid = DynamicCache(config=drafter.config), torch.zeros(0, 0, dtype=torch.bool)
+    for context, start in zip(contexts, cached):
+        row_cache = DynamicCache(config=drafter.config)
+        if start:
+            drafter(input_ids=torch.tensor([context[:start]]), past_key_values=row_cache, use_cache=True)
+        valid = join_rows(cache, valid, row_cache, torch.ones(1, start, dtype=torch.bool))
+    blocks = [drafter.draft_block(torch.tensor([context])) for context in contexts]
+    drafts = [blocks[0].tokens[0], blocks[1].tokens[0, :2], blocks[2].tokens[0]]  # ragged: as after a branch hit
+    logits = [blocks[0].logits[0], blocks[1].logits[0, :2], blocks[2].logits[0]]
+    valid, branches = successor_pass(drafter, cache, valid, contexts, cached, drafts, logits, coverage, fanout,
+                                     [(LogitsProcessorList(), False, None)] * 3)
+    assert valid.sum(1).tolist() == [len(c) + len(d) for c, d in zip(contexts, drafts)]
+    for context, row_drafts, prepared in zip(contexts, drafts, branches):
+        listed = row_drafts.tolist()
+        assert len(prepared) == min(coverage - 1, len(listed)) * fanout + 1
+        for key, (tokens, branch_logits) in prepared.items():
+            full = len(key) == len(listed) + 1 and list(key[:-1]) == listed
+            alone = drafter.draft_block(torch.tensor([context + (listed if full else list(key))]))
+            expected_tokens, expected_logits = (alone.tokens[0, 1:], alone.logits[0, 1:]) if full else (alone.tokens[0], alone.logits[0])
+            if full:
+                assert key[-1] == alone.tokens[0, 0].item()
+            assert torch.equal(tokens, expected_tokens), key
+            torch.testing.assert_close(branch_logits, expected_logits, atol=1e-4, rtol=0)
+
+
+def test_asynchronous_rows_joining_and_stopping_match_the_target_alone_and_hit_branches():
+    compared, hits, lookups = 0, 0, 0
+    for (vocab, block, coverage, fanout), eos in itertools.product([(6, 4, 4, 2), (8, 16, 12, 2), (12, 5, 2, 3)], [None, 2]):
+        target, drafter = pair(1, block, vocab)
+        generator = torch.Generator().manual_seed(vocab + block)
+        prompts = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in (1, 3, 9, 17, 5)]
+        eos_ids = frozenset() if eos is None else frozenset({eos})
+        decoder = D3DAsyncBatchDecoder(target, drafter, coverage, fanout)
+        outputs = {}
+        for key in (0, 1, 2):
+            decoder.add(key, prompts[key], RowSettings(20 + key, eos_token_ids=eos_ids))
+        drive(decoder, outputs, rounds=2)
+        for key in (3, 4):
+            decoder.add(key, prompts[key], RowSettings(20 + key, eos_token_ids=eos_ids))
+        assert drive(decoder, outputs) == {}
+        kwargs = {} if eos is None else dict(eos_token_id=eos, pad_token_id=eos)
+        for key, prompt in enumerate(prompts):
+            assert outputs[key] == alone(target, prompt, 20 + key, **kwargs), (vocab, block, eos, key)
+            compared += 1
+        hits, lookups = hits + decoder.stats.cache_hits, lookups + decoder.stats.lookups
+    assert compared == 30 and 0 < hits < lookups  # both hits and misses happened
 
 
 def test_compact_and_join_keep_each_rows_valid_columns_in_order():

@@ -31,7 +31,8 @@ def prompts(count: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(0, 8, (1 + (7 * i) % 23,), generator=generator).tolist() for i in range(count)]
 
 
-def test_concurrent_requests_stream_their_own_tokens(models):
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_concurrent_requests_stream_their_own_tokens(models, asynchronous):
     target, drafter = models
     requests = prompts(7)
     handles, chunks = [None] * len(requests), [[] for _ in requests]
@@ -41,7 +42,7 @@ def test_concurrent_requests_stream_their_own_tokens(models):
         for chunk in handles[index].stream(timeout=WAIT):
             chunks[index].append(chunk)
 
-    with drafter.batch_server(target, max_batch_size=3) as server:  # fewer rows than requests: later ones join mid-run
+    with drafter.batch_server(target, max_batch_size=3, asynchronous=asynchronous) as server:  # later ones join mid-run
         threads = [threading.Thread(target=client, args=(i,)) for i in range(len(requests))]
         for thread in threads:
             thread.start()
@@ -52,6 +53,7 @@ def test_concurrent_requests_stream_their_own_tokens(models):
             assert handle.result(timeout=WAIT) == alone(target, requests[index], 10 + index)
             assert sum(chunks[index], []) == handle.tokens and len(chunks[index]) == handle.rounds
         assert server.stats.rounds > 0 and server.stats.new_tokens == sum(10 + i for i in range(len(requests)))
+        assert (server.stats.hit_rate is not None) == asynchronous
 
 
 def test_cancelling_one_request_leaves_the_others_unchanged(models):
