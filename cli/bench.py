@@ -40,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", default=None,
                         help="e.g. 1,4,8,16: measure batched D3D against the target's batched greedy decoding at each "
                              "number of concurrent requests (instead of the method comparison)")
+    parser.add_argument("--async-budget", default="4x1",
+                        help="CxF: coverage x fanout of asynchronous batched drafting with --concurrency (default 4x1)")
     parser.add_argument("--output", default=None,
                         help="folder for bench.json, bench.md, bench.png (concurrency.* with --concurrency)")
 
@@ -66,8 +68,9 @@ def run_concurrency(target, drafter, sets: dict[str, list[torch.Tensor]], args: 
     """The concurrency benchmark on all prompts of all sets together; 0 if every D3D row equals the baseline's."""
     levels = [int(level) for level in args.concurrency.split(",")]
     prompts = [prompt for prompts in sets.values() for prompt in prompts]
-    results = concurrency.concurrency_benchmark(target, drafter, prompts, levels, args.max_new_tokens)
+    (coverage, fanout), = parse_grid(args.async_budget)
+    results = concurrency.concurrency_benchmark(target, drafter, prompts, levels, args.max_new_tokens, coverage, fanout)
     results["prompt_sets"] = list(sets)
     table = concurrency.write(results, Path(args.output)) if args.output else concurrency.markdown(results)
     print(table)
-    return 0 if all(row["lossless"] for row in results["levels"]) else 1
+    return 0 if all(row[name]["lossless"] for row in results["levels"] for name in ("sync", "async")) else 1

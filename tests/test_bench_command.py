@@ -35,11 +35,13 @@ def test_bench_concurrency_writes_table_json_and_plot(tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": " ".join(f"w{i + j}" for j in range(1 + 3 * i))}) for i in range(5)))
     code = main(["bench", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
-                 "--prompts", str(prompts), "--max-new-tokens", "10", "--concurrency", "1,2,4",
+                 "--prompts", str(prompts), "--max-new-tokens", "10", "--concurrency", "1,2,4", "--async-budget", "2x1",
                  "--output", str(tmp_path / "bench")])
     assert code == 0
-    assert "| D3D batched tok/s |" in capsys.readouterr().out
+    assert "| D3D async C=2 F=1 tok/s |" in capsys.readouterr().out
     results = json.loads((tmp_path / "bench" / "concurrency.json").read_text())
     assert [row["concurrency"] for row in results["levels"]] == [1, 2, 4]
-    assert all(row["lossless"] and row["requests"] == 5 and row["tau"] >= 1 for row in results["levels"])
+    for row in results["levels"]:
+        assert row["requests"] == 5 and row["sync"]["lossless"] and row["async"]["lossless"]
+        assert row["sync"]["tau"] >= 1 and row["sync"]["hit_rate"] is None and row["async"]["hit_rate"] is not None
     assert (tmp_path / "bench" / "concurrency.png").stat().st_size > 0
