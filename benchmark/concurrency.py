@@ -3,8 +3,9 @@ decoding, at each number of concurrent requests, in one process.
 
 At concurrency c the prompts are decoded in groups of c, left-padded: the baseline is `target.generate` on the
 group (Hugging Face batched greedy decoding, finished rows padded until the last one ends), D3D is
-`drafter.generate_batch` on the same group (rows leave at their own EOS or length). Both count the same new tokens
-(each row up to its EOS); every D3D row is checked against the baseline's row. Each level is warmed up first.
+`drafter.generate_batch` on the same group (rows leave at their own EOS or length), synchronous and asynchronous.
+All count the same new tokens (each row up to its EOS); every D3D row is checked against the baseline's row. Each
+level is warmed up first.
 """
 
 import json

@@ -14,6 +14,10 @@ transformers' assisted generation refuses batches; this is a native loop, one ro
    per layer), so ragged acceptance costs no recomputation. Finished rows leave (`select_rows`); new rows are
    prefilled alone and join between rounds (`join_rows`), never recomputing the others' prefixes.
 
+`D3DAsyncBatchDecoder` adds asynchronous drafting: while the target verifies, a worker thread runs one packed
+successor pass for every row (`successor_pass`); next round a row whose verified tokens match a prepared branch takes
+its draft with no drafting pass.
+
 Key and value tensors carry their rotary positions, so moving cache columns is exact; position ids are given per
 row. The target must use full attention in every layer (sliding windows cannot be compacted this way).
 """
@@ -531,15 +535,15 @@ class D3DBatchDecoder:
         return None
 
     def _finish_successors(self, worker, drafts: list[torch.Tensor], accepted_drafts: list[int]) -> None:
-        return None
+        """Nothing to wait for: the drafter cache already holds each row's tokens before its anchor."""
 
 
 class D3DAsyncBatchDecoder(D3DBatchDecoder):
     """Batched D3D with asynchronous drafting: while the target verifies a round, a worker thread runs ONE packed
     successor pass for every row (`successor_pass`, budget `B((C - 1)F + 2)` tokens per row). Next round each row
     looks its verified tokens up among its branches: when every row hits, no drafting pass runs; otherwise one
-    batched drafting pass serves the rows that missed (on an accelerator a pass for a few rows costs about as long as
-    one for all). coverage `C` (default min(12, B)) and fanout `F` (default 2) as in `D3DAssistedGenerator`."""
+    batched drafting pass runs over all rows and the rows that missed take its drafts (on an accelerator a pass for a
+    few rows costs about as long as one for all). coverage `C` (default min(12, B)) and fanout `F` (default 2) as in `D3DAssistedGenerator`."""
 
     def __init__(self, target, drafter, coverage: int | None = None, fanout: int = DEFAULT_FANOUT):
         super().__init__(target, drafter)
