@@ -201,29 +201,40 @@ class D3DBatchServer:
             self._condition.notify_all()
 
     def _schedule(self) -> None:
-        """The scheduler thread: between rounds drop cancelled rows and admit waiting requests, then run a round."""
+        """The scheduler thread: rounds until `close()`; an unexpected error ends the requests it holds, not the
+        thread, so no request waits on a dead scheduler."""
         while True:
-            with self._condition:
-                self._condition.wait_for(lambda: self._closed or self._queues.waiting or self._queues.active)
-                if self._closed:
+            try:
+                if not self._schedule_round():
                     break
-                cancelled = {key for key, handle in self._queues.active.items() if handle.done}
-                for key in cancelled:
-                    del self._queues.active[key]
-                waiting = [handle for handle in self._queues.waiting if not handle.done]
-                free = self.max_batch_size - len(self._queues.active)
-                admitted, self._queues.waiting = waiting[:free], waiting[free:]
-            self._decoder.remove(cancelled)
-            for handle in admitted:
-                try:
-                    self._decoder.add(handle.request_id, handle.prompt, handle.settings)
-                except Exception as error:  # this request cannot join (e.g. too long): it fails, the others go on
-                    handle._fail(error)
-                    continue
-                with self._condition:
-                    self._queues.active[handle.request_id] = handle
-            self._round()
+            except Exception as error:
+                self._decoder.reset()
+                self._end_all(error)
         self._end_all(CancelledError("the D3DBatchServer was closed"))
+
+    def _schedule_round(self) -> bool:
+        """Drop cancelled rows, admit waiting requests, run one round; False once closed."""
+        with self._condition:
+            self._condition.wait_for(lambda: self._closed or self._queues.waiting or self._queues.active)
+            if self._closed:
+                return False
+            cancelled = {key for key, handle in self._queues.active.items() if handle.done}
+            for key in cancelled:
+                del self._queues.active[key]
+            waiting = [handle for handle in self._queues.waiting if not handle.done]
+            free = self.max_batch_size - len(self._queues.active)
+            admitted, self._queues.waiting = waiting[:free], waiting[free:]
+        self._decoder.remove(cancelled)
+        for handle in admitted:
+            try:
+                self._decoder.add(handle.request_id, handle.prompt, handle.settings)
+            except Exception as error:  # this request cannot join: it fails, the others go on
+                handle._fail(error)
+                continue
+            with self._condition:
+                self._queues.active[handle.request_id] = handle
+        self._round()
+        return True
 
     def _round(self) -> None:
         try:
