@@ -8,15 +8,13 @@ fails that request only; a failure of a batched pass fails the requests of that 
 the next ones. Nothing waits without a way out: `close()` ends every unfinished request.
 """
 
-import copy
-import itertools
 import queue
 import threading
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
 
 import torch
-from transformers import LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessorList
 
 from .async_d3d import DEFAULT_FANOUT
 from .batched_d3d import BatchStats, D3DAsyncBatchDecoder, D3DBatchDecoder, RowSettings
@@ -142,7 +140,7 @@ class D3DBatchServer:
             D3DAsyncBatchDecoder(target, drafter, coverage, fanout) if asynchronous else D3DBatchDecoder(target, drafter)
         )
         self._queues = _Queues([], {})
-        self._ids = itertools.count()
+        self._next_id = 0
         self._condition = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._schedule, name="d3d-batch-server", daemon=True)
@@ -171,7 +169,7 @@ class D3DBatchServer:
         prompt = torch.as_tensor(input_ids).reshape(-1).tolist()
         if not prompt:
             raise ValueError("A prompt needs at least one token")
-        config = copy.deepcopy(self.target.generation_config)
+        config = GenerationConfig.from_dict(self.target.generation_config.to_dict())
         config.update(max_new_tokens=max_new_tokens, **generation_settings)
         if do_sample is not None:
             config.do_sample = do_sample
@@ -191,7 +189,8 @@ class D3DBatchServer:
         with self._condition:
             if self._closed:
                 raise RuntimeError("This D3DBatchServer is closed")
-            handle = RequestHandle(next(self._ids), prompt, settings, self._wake)
+            handle = RequestHandle(self._next_id, prompt, settings, self._wake)
+            self._next_id += 1
             self._queues.waiting.append(handle)
             self._condition.notify_all()
         return handle
