@@ -24,6 +24,7 @@ row. The target must use full attention in every layer (sliding windows cannot b
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
@@ -85,13 +86,14 @@ class RoundOutcome:
 
 @dataclass
 class BatchStats:
-    """Totals over the rounds of a decoder: `tau` is tokens added per row per round (the target's token included);
-    `hit_rate`: rows served from a prepared branch over rows that had branches to look up (asynchronous drafting)."""
+    """Totals over the rounds of a decoder (bounded memory, for long-running servers): `accepted[n]` counts row
+    rounds that added n tokens; `tau` is tokens added per row per round (the target's token included); `hit_rate`:
+    rows served from a prepared branch over rows that had branches to look up (asynchronous drafting)."""
 
     rounds: int = 0
     row_rounds: int = 0
     new_tokens: int = 0
-    accepted_lengths: list[int] = field(default_factory=list)
+    accepted: Counter = field(default_factory=Counter)
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -490,7 +492,7 @@ class D3DBatchDecoder:
             row.tokens += added
             row.rounds += 1
             accepted[i, : len(added)] = True
-            self.stats.accepted_lengths.append(len(added))
+            self.stats.accepted[len(added)] += 1
             self.stats.new_tokens += len(added)
             self.stats.row_rounds += 1
             outcomes.append(RoundOutcome(row.key, added, finished))

@@ -62,7 +62,7 @@ def drive(decoder: D3DBatchDecoder, outputs: dict, rounds: int | None = None) ->
 @pytest.mark.parametrize("asynchronous", [False, True])
 def test_every_row_of_a_mixed_length_batch_equals_the_target_alone(asynchronous):
     generator = torch.Generator().manual_seed(0)
-    accepted = []
+    accepted = Counter()
     for (vocab, block), seed in itertools.product([(6, 4), (8, 16), (96, 3), (12, 7)], [0, 1]):
         target, drafter = pair(seed, block, vocab)
         lengths = [1, block - 1, block, block + 1, 3 * block + 2, 2]
@@ -74,8 +74,9 @@ def test_every_row_of_a_mixed_length_batch_equals_the_target_alone(asynchronous)
         for row, prompt in enumerate(prompts):
             assert out[row, ids.shape[1] :].tolist() == alone(target, prompt, 23), (vocab, block, seed, row)
         stats = drafter.batch_stats
-        assert stats.new_tokens == 23 * len(prompts) and all(1 <= n <= block for n in stats.accepted_lengths)
-        accepted += stats.accepted_lengths
+        assert stats.new_tokens == 23 * len(prompts) and all(1 <= n <= block for n in stats.accepted)
+        assert sum(n * count for n, count in stats.accepted.items()) == stats.new_tokens
+        accepted += stats.accepted
     assert min(accepted) == 1 and max(accepted) >= 4  # rejections and multi-token acceptances, in the same batches
 
 
@@ -109,7 +110,7 @@ def test_a_row_stopping_at_eos_leaves_the_batch_at_once():
     assert [row.key for row in decoder.rows] == ["runs"]
     outputs = {"runs": first["runs"].added}
     drive(decoder, outputs)
-    assert outputs["runs"] == [7] * 9 and decoder.stats.accepted_lengths == [1, 4, 4, 1]
+    assert outputs["runs"] == [7] * 9 and decoder.stats.accepted == {1: 2, 4: 2}
 
 
 class ForwardShapes:
@@ -254,8 +255,7 @@ def test_each_sampled_row_follows_the_target_distribution(sampling_models, kind,
             outputs.setdefault(outcome.key, []).extend(outcome.added)
             if outcome.finished:
                 counts[outcome.key[0]][tuple(outputs.pop(outcome.key))] += 1
-    lengths = decoder.stats.accepted_lengths
-    assert 1 in lengths and max(lengths) >= 2
+    assert 1 in decoder.stats.accepted and max(decoder.stats.accepted) >= 2
     assert kind == "sync" or 0 < decoder.stats.cache_hits < decoder.stats.lookups  # async rows used prepared branches
     for name, prompt in prompts.items():
         expected = exact_distribution(target, torch.tensor([prompt]))
