@@ -512,8 +512,15 @@ class D3DBatchDecoder:
         raw, self._drafter_valid = draft_pass(self.drafter, self._drafter_cache, self._drafter_valid, self.rows)
         return self._propose(raw, range(len(self.rows)), outcomes)
 
-    def _propose(self, raw: torch.Tensor, indices, outcomes: list[RoundOutcome], ready=None):
-        """Drafts and q for the rows `indices` from raw block logits (rows listed in `ready` keep theirs)."""
+    def _propose(
+        self,
+        raw: torch.Tensor | None,
+        indices: range | list[int],
+        outcomes: list[RoundOutcome],
+        ready: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Drafts and q for the rows `indices` from raw block logits `(rows, B - 1, vocab)`; the rows in `ready` keep
+        the (drafts, q) given there."""
         drafts, draft_logits, kept = [], [], []
         for i, row in enumerate(self.rows):
             if ready is not None and i in ready:
@@ -554,12 +561,15 @@ class D3DAsyncBatchDecoder(D3DBatchDecoder):
         self.fanout = fanout
         check_budget(block_size, self.coverage, fanout)
         self._branches: dict[Hashable, tuple[int, dict]] = {}
+        self._worker: threading.Thread | None = None
 
     def add(self, key: Hashable, prompt: list[int], settings: RowSettings) -> None:
         self._branches.pop(key, None)  # branches of an earlier row with this key
         super().add(key, prompt, settings)
 
     def reset(self) -> None:
+        if self._worker is not None:  # a round that failed while the worker ran: let it end before going on
+            self._worker.join()
         super().reset()
         self._branches = {}
 
@@ -599,9 +609,9 @@ class D3DAsyncBatchDecoder(D3DBatchDecoder):
             except Exception as error:  # raised on the scheduler's thread by _finish_successors
                 result["error"] = error
 
-        worker = threading.Thread(target=work, name="d3d-batch-drafter", daemon=True)
-        worker.start()
-        return worker, result, contexts
+        self._worker = threading.Thread(target=work, name="d3d-batch-drafter", daemon=True)
+        self._worker.start()
+        return self._worker, result, contexts
 
     def _finish_successors(self, worker, drafts: list[torch.Tensor], accepted_drafts: list[int]) -> None:
         """Wait for the successor pass; drop each row's rejected drafts from the drafter cache; keep the branches."""

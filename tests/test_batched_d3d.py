@@ -2,6 +2,7 @@
 the target's distribution (sampling), with mixed lengths, early EOS, rows joining mid-run, cancellation and failures."""
 
 import itertools
+import threading
 from collections import Counter
 
 import pytest
@@ -183,15 +184,18 @@ def test_removing_a_row_leaves_the_others_unchanged_greedy_and_sampled():
 
 
 class FailsAfter(LogitsProcessor):
-    """A row's logits processor that raises on its `calls`-th use (a failure inside that row's drafting)."""
+    """A row's logits processor that raises from its `calls`-th use on (a failure inside that row's drafting). It may
+    be called from the asynchronous worker too, hence the lock."""
 
     def __init__(self, calls: int):
         self.calls = calls
+        self.lock = threading.Lock()
 
     def __call__(self, input_ids, scores):
-        self.calls -= 1
-        if self.calls == 0:
-            raise RuntimeError("injected drafting failure")
+        with self.lock:
+            self.calls -= 1
+            if self.calls <= 0:
+                raise RuntimeError("injected drafting failure")
         return scores
 
 
