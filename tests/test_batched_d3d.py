@@ -81,6 +81,21 @@ def test_every_row_of_a_mixed_length_batch_equals_the_target_alone(asynchronous)
     assert min(accepted) == 1 and max(accepted) >= 4  # rejections and multi-token acceptances, in the same batches
 
 
+def test_generate_applies_its_sampling_processors_to_every_row():
+    """Sampling through `generate` with top_k=1: the processors make p one-hot, so rejection sampling must reproduce
+    greedy decoding exactly (it would not if the target's logits skipped the processors)."""
+    target, drafter = pair(1, 6, 12)
+    generator = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 12, (n,), generator=generator) for n in (2, 7, 15)]
+    ids, mask = left_pad(prompts)
+    torch.manual_seed(0)
+    out = drafter.generate_batch(target, ids, attention_mask=mask, max_new_tokens=20, do_sample=True, top_k=1,
+                                 temperature=0.5)
+    for row, prompt in enumerate(prompts):
+        assert out[row, ids.shape[1] :].tolist() == alone(target, prompt, 20)
+    assert max(drafter.batch_stats.accepted) >= 2
+
+
 def test_rows_stop_at_their_own_eos_and_the_others_go_on():
     eos, stopped_early, went_on = 2, 0, 0
     for seed in range(4):
@@ -368,7 +383,8 @@ def test_bad_input_is_refused_with_a_clear_error():
     with pytest.raises(ValueError, match="already"):
         decoder.add(0, [3], RowSettings(5))
     with pytest.raises(ValueError, match="drafter="):
-        target.generate(torch.tensor([[1, 2]]), custom_generate=__import__("modeling_d3d").batched_speculative_generate)
+        target.generate(torch.tensor([[1, 2]]), max_new_tokens=2,
+                        custom_generate=__import__("modeling_d3d").batched_speculative_generate)
 
 
 REMOTE_BATCH = """
