@@ -6,7 +6,7 @@ from concurrent.futures import CancelledError
 
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers import LogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from conftest import tiny_target
 from modeling_d3d import D3DBatchServer, D3DForBlockDiffusion
