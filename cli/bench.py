@@ -1,11 +1,12 @@
-"""`d3d bench`: D3D beside the target alone, HF assisted generation and prompt lookup, in one process."""
+"""`d3d bench`: D3D beside the target alone, HF assisted generation and prompt lookup, in one process; with
+`--concurrency 1,4,8,16`, batched D3D against the target's own batched greedy decoding at each concurrency."""
 
 import argparse
 from pathlib import Path
 
 import torch
 
-from benchmark import report
+from benchmark import concurrency, report
 from benchmark.bench import benchmark
 from benchmark.prompts import encode_prompt
 from modeling_d3d import D3DForBlockDiffusion
@@ -36,7 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=40, help="first N prompts of each set")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--sweep", default=None, help="(C, F) grid for the async sweep, e.g. 4x2,8x1,12x2")
-    parser.add_argument("--output", default=None, help="folder for bench.json, bench.md, bench.png")
+    parser.add_argument("--concurrency", default=None,
+                        help="e.g. 1,4,8,16: measure batched D3D against the target's batched greedy decoding at each "
+                             "number of concurrent requests (instead of the method comparison)")
+    parser.add_argument("--async-budget", default="4x1",
+                        help="CxF: coverage x fanout of asynchronous batched drafting with --concurrency (default 4x1)")
+    parser.add_argument("--output", default=None,
+                        help="folder for bench.json, bench.md, bench.png (concurrency.* with --concurrency)")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                         help="auto: bfloat16 on GPUs that run it, float32 elsewhere. Token identity with the target "
                              "holds exactly in float32; in bfloat16, verifying several tokens in one pass rounds "
@@ -52,8 +59,22 @@ def run(args: argparse.Namespace) -> int:
         Path(name).stem: [torch.tensor([encode_prompt(tokenizer, text)]) for text in prompt_set(name)[: args.num_prompts]]
         for name in args.prompts.split(",")
     }
+    if args.concurrency:
+        return run_concurrency(target, drafter, sets, args)
     results = benchmark(target, drafter, sets, args.max_new_tokens, assistant, parse_grid(args.sweep))
     table = report.write(results, Path(args.output)) if args.output else report.markdown(results)
     print(table)
     lossless = all(row["lossless"] for s in results["prompt_sets"].values() for row in s["methods"])
     return 0 if lossless else 1
+
+
+def run_concurrency(target, drafter, sets: dict[str, list[torch.Tensor]], args: argparse.Namespace) -> int:
+    """The concurrency benchmark on all prompts of all sets together; 0 if every D3D row equals the baseline's."""
+    levels = [int(level) for level in args.concurrency.split(",")]
+    prompts = [prompt for prompts in sets.values() for prompt in prompts]
+    (coverage, fanout), = parse_grid(args.async_budget)
+    results = concurrency.concurrency_benchmark(target, drafter, prompts, levels, args.max_new_tokens, coverage, fanout)
+    results["prompt_sets"] = list(sets)
+    table = concurrency.write(results, Path(args.output)) if args.output else concurrency.markdown(results)
+    print(table)
+    return 0 if all(row[name]["lossless"] for row in results["levels"] for name in ("sync", "async")) else 1

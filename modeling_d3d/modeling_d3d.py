@@ -96,6 +96,7 @@ class D3DForBlockDiffusion(D3DPreTrainedModel, GenerationMixin):
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.generation_stats: SpeculativeStats | None = None
+        self.batch_stats = None  # a batched_d3d.BatchStats after generate_batch
         self.post_init()
         self.use_assisted_generation_defaults()
 
@@ -204,6 +205,26 @@ class D3DForBlockDiffusion(D3DPreTrainedModel, GenerationMixin):
         """`target` decodes `input_ids` `(1, L)` with this drafter; `selective_prefill` < 1 prefills only the chunks
         the probe keeps (see `prefill_d3d.d3d_generate`; at 1 it is `target.generate(..., assistant_model=self)`)."""
         return d3d_generate(target, self, input_ids, selective_prefill, chunk_size, **generate_kwargs)
+
+    def generate_batch(self, target: PreTrainedModel, input_ids: torch.LongTensor, attention_mask=None, **generate_kwargs):
+        """Batched speculative decoding of left-padded prompts `(batch, P)` (with their `attention_mask`) for `target`:
+        `target.generate(..., custom_generate=batched_speculative_generate, drafter=self)` (see `batched_d3d`).
+        Rows accept their own number of tokens a round and leave at their own EOS or length; `asynchronous=True`
+        (with `coverage`, `fanout`) prepares successor blocks while the target verifies; statistics go to
+        `self.batch_stats`."""
+        from .batched_d3d import batched_speculative_generate  # batched_d3d builds on this module
+
+        return target.generate(
+            input_ids, attention_mask=attention_mask, custom_generate=batched_speculative_generate, drafter=self,
+            **generate_kwargs,
+        )
+
+    def batch_server(self, target: PreTrainedModel, max_batch_size: int = 8, **settings):
+        """A `serving_d3d.D3DBatchServer` decoding requests for `target` with this drafter, up to `max_batch_size`
+        at once (submit, stream, cancel; thread-safe); `settings`: asynchronous, coverage, fanout."""
+        from .serving_d3d import D3DBatchServer  # serving_d3d builds on this module
+
+        return D3DBatchServer(target, self, max_batch_size, **settings)
 
     def check_compatibility(self, target: PreTrainedModel, target_tokenizer=None, drafter_tokenizer=None) -> None:
         """Raise `ValueError` unless this drafter can draft for `target` (see `speculative_d3d.check_compatibility`)."""

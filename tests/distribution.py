@@ -29,15 +29,16 @@ def sampled_counts(target, seed: int, **generate_kwargs) -> Counter:
 
 
 @torch.no_grad()
-def exact_distribution(target) -> dict[tuple[int, ...], float]:
-    """P(first NEW_TOKENS tokens) under the target with the sampling processors, by enumerating every prefix."""
+def exact_distribution(target, prompt: torch.Tensor = PROMPT) -> dict[tuple[int, ...], float]:
+    """P(first NEW_TOKENS tokens after `prompt` `(1, L)`) under the target with the sampling processors, by
+    enumerating every prefix."""
     distribution = {(): 1.0}
     for _ in range(NEW_TOKENS):
         extended = {}
         for continuation, probability in distribution.items():
             if probability == 0.0:
                 continue
-            ids = torch.cat([PROMPT, torch.tensor([continuation], dtype=torch.long).reshape(1, -1)], dim=1)
+            ids = torch.cat([prompt, torch.tensor([continuation], dtype=torch.long).reshape(1, -1)], dim=1)
             logits = target(ids).logits[:, -1].float()
             step = processors()(ids, logits).softmax(-1)[0]
             for token in range(VOCAB):

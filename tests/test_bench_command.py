@@ -27,3 +27,22 @@ def test_bench_command_writes_table_json_and_plot(tmp_path, capsys):
     assert results["hardware"]
     assert [(r["coverage"], r["fanout"]) for r in results["sweep"]] == [(1, 0), (2, 1)]
     assert (tmp_path / "bench" / "bench.png").stat().st_size > 0
+
+
+def test_bench_concurrency_writes_table_json_and_plot(tmp_path, capsys):
+    tiny_target(0, layers=2).save_pretrained(tmp_path / "target")
+    word_tokenizer().save_pretrained(tmp_path / "target")
+    D3DForBlockDiffusion.from_backbone(tiny_target(0, layers=2), block_size=4).save_pretrained(tmp_path / "drafter")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": " ".join(f"w{i + j}" for j in range(1 + 3 * i))}) for i in range(5)))
+    code = main(["bench", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
+                 "--prompts", str(prompts), "--max-new-tokens", "10", "--concurrency", "1,2,4", "--async-budget", "2x1",
+                 "--output", str(tmp_path / "bench")])
+    assert code == 0
+    assert "| D3D async C=2 F=1 tok/s |" in capsys.readouterr().out
+    results = json.loads((tmp_path / "bench" / "concurrency.json").read_text())
+    assert [row["concurrency"] for row in results["levels"]] == [1, 2, 4]
+    for row in results["levels"]:
+        assert row["requests"] == 5 and row["sync"]["lossless"] and row["async"]["lossless"]
+        assert row["sync"]["tau"] >= 1 and row["sync"]["hit_rate"] is None and row["async"]["hit_rate"] is not None
+    assert (tmp_path / "bench" / "concurrency.png").stat().st_size > 0

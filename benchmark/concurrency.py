@@ -1,0 +1,160 @@
+"""`d3d bench --concurrency 1,4,8,16`: aggregate throughput of batched D3D against the target's own batched greedy
+decoding, at each number of concurrent requests, in one process.
+
+At concurrency c the prompts are decoded in groups of c, left-padded: the baseline is `target.generate` on the
+group (Hugging Face batched greedy decoding, finished rows padded until the last one ends), D3D is
+`drafter.generate_batch` on the same group (rows leave at their own EOS or length), synchronous and asynchronous.
+All count the same new tokens (each row up to its EOS); every D3D row is checked against the baseline's row. Each
+level is warmed up first.
+"""
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from modeling_d3d.speculative_d3d import synchronize
+
+
+def left_pad(prompts: list[torch.Tensor], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(1, L_i)` prompts -> left-padded ids and attention mask `(n, max L_i)`."""
+    width = max(prompt.shape[1] for prompt in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - prompt.shape[1] :], mask[row, width - prompt.shape[1] :] = prompt[0], 1
+    return ids, mask
+
+
+def new_tokens(sequences: torch.Tensor, prompt_width: int, eos_token_ids: set[int]) -> list[list[int]]:
+    """Each row's new tokens up to and including its first EOS."""
+    rows = []
+    for row in sequences[:, prompt_width:].tolist():
+        end = next((i + 1 for i, token in enumerate(row) if token in eos_token_ids), len(row))
+        rows.append(row[:end])
+    return rows
+
+
+def timed(generate, ids: torch.Tensor, mask: torch.Tensor, device) -> tuple[torch.Tensor, float]:
+    synchronize(device)
+    began = time.perf_counter()
+    sequences = generate(ids.to(device), mask.to(device))
+    synchronize(device)
+    return sequences.cpu(), time.perf_counter() - began
+
+
+def concurrency_benchmark(
+    target, drafter, prompts: list[torch.Tensor], levels: list[int], max_new_tokens: int, coverage: int, fanout: int
+) -> dict:
+    """For each concurrency level, on the same groups (interleaved group by group, so machine drift hits all alike):
+    tokens/s of the target's batched greedy decoding, of batched D3D (sync) and of batched D3D with asynchronous
+    drafting at budget (coverage, fanout); speedups over the first; τ (tokens per row per round), batched rounds,
+    cache-hit rate, and whether every D3D row equals the baseline's. Returns what `concurrency.json` holds."""
+    config = target.generation_config
+    eos = config.eos_token_id
+    eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
+    pad = config.pad_token_id if config.pad_token_id is not None else next(iter(eos_ids), 0)
+    settings = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+    methods = {
+        "baseline": lambda ids, mask: target.generate(ids, attention_mask=mask, **settings),
+        "sync": lambda ids, mask: drafter.generate_batch(target, ids, attention_mask=mask, **settings),
+        "async": lambda ids, mask: drafter.generate_batch(target, ids, attention_mask=mask, asynchronous=True,
+                                                         coverage=coverage, fanout=fanout, **settings),
+    }
+    rows = []
+    for level in tqdm(levels, desc="concurrency levels"):
+        groups = [left_pad(prompts[start : start + level], pad) for start in range(0, len(prompts), level)]
+        for generate in methods.values():  # warm-up
+            timed(generate, *groups[0], target.device)
+        seconds = dict.fromkeys(methods, 0.0)
+        outputs = {name: [] for name in methods}
+        counters = ("new_tokens", "row_rounds", "rounds", "lookups", "cache_hits")
+        totals = {name: dict.fromkeys(counters, 0) for name in ("sync", "async")}
+        for ids, mask in groups:
+            for name, generate in methods.items():
+                sequences, elapsed = timed(generate, ids, mask, target.device)
+                seconds[name] += elapsed
+                outputs[name] += new_tokens(sequences, ids.shape[1], eos_ids)
+                if name in totals:
+                    for key in totals[name]:
+                        totals[name][key] += getattr(drafter.batch_stats, key)
+        speed = {name: sum(len(row) for row in outputs[name]) / seconds[name] for name in methods}
+        row = {"concurrency": level, "requests": len(prompts), "new_tokens": sum(len(r) for r in outputs["baseline"]),
+               "baseline_tokens_per_second": speed["baseline"], "baseline_seconds": seconds["baseline"]}
+        for name, total in totals.items():
+            row[name] = {
+                "tokens_per_second": speed[name],
+                "speedup": speed[name] / speed["baseline"],
+                "tau": total["new_tokens"] / total["row_rounds"],
+                "batched_rounds": total["rounds"],
+                "hit_rate": total["cache_hits"] / total["lookups"] if total["lookups"] else None,
+                "lossless": outputs[name] == outputs["baseline"],
+                "seconds": seconds[name],
+            }
+        rows.append(row)
+    return {"max_new_tokens": max_new_tokens, "block_size": drafter.config.block_size, "coverage": coverage,
+            "fanout": fanout, "levels": rows}
+
+
+def markdown(results: dict) -> str:
+    budget = f"C={results['coverage']} F={results['fanout']}"
+    lines = [
+        f"### Concurrency ({results['levels'][0]['requests']} requests, {results['max_new_tokens']} new tokens, greedy)",
+        "",
+        f"| concurrency | target batched tok/s | D3D sync tok/s | speedup | D3D async {budget} tok/s | speedup | τ | "
+        "cache hits (async) | lossless |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in results["levels"]:
+        sync, asynchronous = row["sync"], row["async"]
+        hits = "-" if asynchronous["hit_rate"] is None else f"{100 * asynchronous['hit_rate']:.1f}%"
+        lossless = "yes" if sync["lossless"] and asynchronous["lossless"] else "NO"
+        lines.append(
+            f"| {row['concurrency']} | {row['baseline_tokens_per_second']:.1f} | {sync['tokens_per_second']:.1f} | "
+            f"{sync['speedup']:.2f}x | {asynchronous['tokens_per_second']:.1f} | {asynchronous['speedup']:.2f}x | "
+            f"{sync['tau']:.2f} | {hits} | {lossless} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
+    """Aggregate tokens/s of each method against concurrency, speedups on a second axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = [row["concurrency"] for row in results["levels"]]
+    figure, axis = plt.subplots(figsize=(7, 4))
+    axis.plot(levels, [row["baseline_tokens_per_second"] for row in results["levels"]], "o-", label="target batched greedy")
+    axis.plot(levels, [row["sync"]["tokens_per_second"] for row in results["levels"]], "s-", label="D3D sync")
+    axis.plot(levels, [row["async"]["tokens_per_second"] for row in results["levels"]], "^-", label="D3D async")
+    axis.set_xlabel("concurrent requests")
+    axis.set_ylabel("aggregate tokens/s")
+    axis.set_xticks(levels)
+    speedup_axis = axis.twinx()
+    for name, style in (("sync", "k--"), ("async", "k:")):
+        speedup_axis.plot(levels, [row[name]["speedup"] for row in results["levels"]], style, alpha=0.6,
+                          label=f"speedup, {name}")
+    speedup_axis.set_ylabel("speedup over the target's batched decoding")
+    handles = axis.get_legend_handles_labels()[0] + speedup_axis.get_legend_handles_labels()[0]
+    axis.legend(handles, [h.get_label() for h in handles], loc="upper left", fontsize=8)
+    axis.set_title("Throughput against concurrency, one process")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def write(results: dict, output_dir: Path) -> str:
+    """`concurrency.json`, `concurrency.md`, `concurrency.png` in `output_dir`; returns the markdown."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "concurrency.json").write_text(json.dumps(results, indent=2))
+    table = markdown(results)
+    (output_dir / "concurrency.md").write_text(table)
+    plot(results, output_dir / "concurrency.png")
+    return table
+
+
+__all__ = ["concurrency_benchmark", "left_pad", "markdown", "new_tokens", "plot", "timed", "write"]

@@ -1,0 +1,279 @@
+"""Request-level batched D3D decoding for serving code: submit a prompt with its settings, receive its tokens as they
+are accepted, cancel it; many threads may submit at once.
+
+`D3DBatchServer` owns one `batched_d3d.D3DBatchDecoder` and a scheduler thread. Between rounds the scheduler drops
+cancelled rows and admits waiting requests (each prefilled alone, up to `max_batch_size` rows: continuous batching);
+then it runs one round for every row and hands each request its new tokens. A failure in one request's processing
+fails that request only; a failure of a batched pass fails the requests of that batch and the server goes on with
+the next ones. Nothing waits without a way out: `close()` ends every unfinished request.
+"""
+
+import queue
+import threading
+from concurrent.futures import CancelledError
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList
+
+from .async_d3d import DEFAULT_FANOUT
+from .batched_d3d import BatchStats, D3DAsyncBatchDecoder, D3DBatchDecoder, RowSettings
+
+_END = object()
+
+
+class RequestHandle:
+    """One submitted request. Iterate it (or `stream(timeout)`) for token chunks `list[int]` as rounds accept them;
+    `result(timeout)` waits for all its new tokens; `cancel()` stops it at the next round boundary. Raises the
+    request's error if it failed, `concurrent.futures.CancelledError` from `result` if it was cancelled."""
+
+    def __init__(self, request_id: int, prompt: list[int], settings: RowSettings, on_cancel):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.settings = settings
+        self.tokens: list[int] = []
+        self.rounds = 0
+        self._chunks: queue.Queue = queue.Queue()
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._cancelled = False
+        self._on_cancel = on_cancel
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def cancel(self) -> bool:
+        """Stop this request (no more tokens are delivered); False if it had already ended."""
+        with self._lock:
+            if self._done.is_set():
+                return False
+            self._cancelled = True
+            self._done.set()
+            self._chunks.put(_END)
+        self._on_cancel()
+        return True
+
+    def result(self, timeout: float | None = None) -> list[int]:
+        """The new tokens (EOS included when reached). Raises `TimeoutError`, the request's error, or
+        `CancelledError`."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} not finished after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        if self._cancelled:
+            raise CancelledError(f"request {self.request_id} was cancelled")
+        return list(self.tokens)
+
+    def stream(self, timeout: float | None = None):
+        """Yield token chunks as they are accepted; ends when the request finishes or is cancelled, raises its error
+        if it failed, `TimeoutError` if no chunk comes within `timeout` seconds."""
+        while True:
+            try:
+                chunk = self._chunks.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"request {self.request_id}: no tokens for {timeout} s") from None
+            if chunk is _END:
+                if self._error is not None:
+                    raise self._error
+                return
+            yield chunk
+
+    def __iter__(self):
+        return self.stream()
+
+    # Called by the scheduler thread.
+    def _deliver(self, tokens: list[int], finished: bool) -> None:
+        with self._lock:
+            if self._done.is_set():
+                return
+            self.tokens += tokens
+            self.rounds += 1
+            if tokens:
+                self._chunks.put(list(tokens))
+            if finished:
+                self._done.set()
+                self._chunks.put(_END)
+
+    def _fail(self, error: BaseException) -> None:
+        with self._lock:
+            if self._done.is_set():
+                return
+            self._error = error
+            self._done.set()
+            self._chunks.put(_END)
+
+
+@dataclass
+class _Queues:
+    waiting: list[RequestHandle]
+    active: dict[int, RequestHandle]
+
+
+class D3DBatchServer:
+    """Continuous batched speculative decoding behind a thread-safe request API.
+
+    target: the causal LM; drafter: a `D3DForBlockDiffusion` for it; max_batch_size: rows decoded together (further
+    requests wait for a free row); asynchronous: prepare successor blocks on a worker thread while the target
+    verifies (`D3DAsyncBatchDecoder`, with `coverage` and `fanout`). Use as a context manager or call `close()`.
+    """
+
+    def __init__(
+        self,
+        target,
+        drafter,
+        max_batch_size: int = 8,
+        asynchronous: bool = False,
+        coverage: int | None = None,
+        fanout: int = DEFAULT_FANOUT,
+    ):
+        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
+        self.target = target
+        self.max_batch_size = max_batch_size
+        self._decoder = (
+            D3DAsyncBatchDecoder(target, drafter, coverage, fanout) if asynchronous else D3DBatchDecoder(target, drafter)
+        )
+        self._queues = _Queues([], {})
+        self._next_id = 0
+        self._condition = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._schedule, name="d3d-batch-server", daemon=True)
+        self._thread.start()
+
+    @property
+    def stats(self) -> BatchStats:
+        """Totals over every round so far (tau = tokens per row per round)."""
+        return self._decoder.stats
+
+    def submit(
+        self,
+        input_ids: torch.Tensor | list[int],
+        max_new_tokens: int = 128,
+        do_sample: bool | None = None,
+        eos_token_id: int | list[int] | None = None,
+        seed: int | None = None,
+        logits_processor: LogitsProcessorList | None = None,
+        **generation_settings,
+    ) -> RequestHandle:
+        """Queue a prompt (`(1, L)`, `(L,)` or a list of ids). `generation_settings` (`temperature`, `top_k`,
+        `top_p`, `repetition_penalty`, ...) go into a copy of the target's generation config, from which the target's
+        own logits processors are built, as `generate` builds them; `logits_processor` adds processors of your own.
+        `do_sample` and `eos_token_id` default to the target's generation config; `seed` fixes this request's random
+        draws. Raises `ValueError` for a request the server cannot decode."""
+        prompt = torch.as_tensor(input_ids).reshape(-1).tolist()
+        if not prompt:
+            raise ValueError("A prompt needs at least one token")
+        config = GenerationConfig.from_dict(self.target.generation_config.to_dict())
+        config.update(max_new_tokens=max_new_tokens, **generation_settings)
+        if do_sample is not None:
+            config.do_sample = do_sample
+        config.validate()
+        processors = self.target._get_logits_processor(
+            generation_config=config,
+            input_ids_seq_length=len(prompt),
+            encoder_input_ids=torch.tensor([prompt]),
+            logits_processor=LogitsProcessorList(logits_processor or []),
+            device=str(self.target.device),
+        )
+        eos = config.eos_token_id if eos_token_id is None else eos_token_id
+        eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        seed = seed if seed is not None else int(torch.randint(2**62, (1,)))
+        settings = RowSettings(max_new_tokens, bool(config.do_sample), eos_ids, processors, seed)
+        self._decoder.check_request(prompt, settings)
+        with self._condition:
+            if self._closed:
+                raise RuntimeError("This D3DBatchServer is closed")
+            handle = RequestHandle(self._next_id, prompt, settings, self._wake)
+            self._next_id += 1
+            self._queues.waiting.append(handle)
+            self._condition.notify_all()
+        return handle
+
+    def _wake(self) -> None:
+        with self._condition:
+            self._condition.notify_all()
+
+    def _schedule(self) -> None:
+        """The scheduler thread: rounds until `close()`; an unexpected error ends the requests it holds, not the
+        thread, so no request waits on a dead scheduler."""
+        while True:
+            try:
+                if not self._schedule_round():
+                    break
+            except Exception as error:
+                self._decoder.reset()
+                self._end_all(error)
+        self._end_all(CancelledError("the D3DBatchServer was closed"))
+
+    def _schedule_round(self) -> bool:
+        """Drop cancelled rows, admit waiting requests, run one round; False once closed."""
+        with self._condition:
+            self._condition.wait_for(lambda: self._closed or self._queues.waiting or self._queues.active)
+            if self._closed:
+                return False
+            cancelled = {key for key, handle in self._queues.active.items() if handle.done}
+            for key in cancelled:
+                del self._queues.active[key]
+            waiting = [handle for handle in self._queues.waiting if not handle.done]
+            free = self.max_batch_size - len(self._queues.active)
+            admitted, self._queues.waiting = waiting[:free], waiting[free:]
+        self._decoder.remove(cancelled)
+        for handle in admitted:
+            try:
+                self._decoder.add(handle.request_id, handle.prompt, handle.settings)
+            except Exception as error:  # this request cannot join: it fails, the others go on
+                handle._fail(error)
+                continue
+            with self._condition:
+                self._queues.active[handle.request_id] = handle
+        self._round()
+        return True
+
+    def _round(self) -> None:
+        try:
+            outcomes = self._decoder.step()
+        except Exception as error:  # a batched pass failed: its rows cannot be trusted, their requests fail
+            self._decoder.reset()
+            with self._condition:
+                failed, self._queues.active = list(self._queues.active.values()), {}
+            for handle in failed:
+                handle._fail(error)
+            return
+        for outcome in outcomes:
+            handle = self._queues.active[outcome.key]
+            if outcome.error is not None:
+                handle._fail(outcome.error)
+            else:
+                handle._deliver(outcome.added, outcome.finished)
+            if outcome.finished:
+                with self._condition:
+                    del self._queues.active[outcome.key]
+
+    def _end_all(self, error: BaseException) -> None:
+        with self._condition:
+            handles = self._queues.waiting + list(self._queues.active.values())
+            self._queues.waiting, self._queues.active = [], {}
+        for handle in handles:
+            handle._fail(error)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the scheduler after the round in progress; unfinished requests end with `CancelledError`."""
+        with self._condition:
+            self._closed = True
+            self._condition.notify_all()
+        self._thread.join(timeout)
+
+    def __enter__(self) -> "D3DBatchServer":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+__all__ = ["D3DBatchServer", "RequestHandle"]

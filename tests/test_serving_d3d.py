@@ -1,0 +1,173 @@
+"""`D3DBatchServer`: concurrent submissions, streaming, cancellation, failures and bad input; every wait has a
+timeout, so a hang fails the test instead of stalling the suite."""
+
+import threading
+from concurrent.futures import CancelledError
+
+import pytest
+import torch
+from transformers import LogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from conftest import tiny_target
+from modeling_d3d import D3DBatchServer, D3DForBlockDiffusion
+
+WAIT = 60
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models run fastest on one thread; on a shared two-core machine two threads stall each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_target(1, vocab_size=8)
+    drafter = D3DForBlockDiffusion.from_backbone(tiny_target(1, vocab_size=8), block_size=6).eval()
+    return target, drafter
+
+
+def alone(target, prompt: list[int], max_new_tokens: int) -> list[int]:
+    out = target.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def prompts(count: int, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 8, (1 + (7 * i) % 23,), generator=generator).tolist() for i in range(count)]
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_concurrent_requests_stream_their_own_tokens(models, asynchronous):
+    target, drafter = models
+    requests = prompts(7)
+    handles, chunks = [None] * len(requests), [[] for _ in requests]
+
+    def client(index: int) -> None:
+        handles[index] = server.submit(requests[index], max_new_tokens=10 + index)
+        for chunk in handles[index].stream(timeout=WAIT):
+            chunks[index].append(chunk)
+
+    with drafter.batch_server(target, max_batch_size=3, asynchronous=asynchronous) as server:  # later ones join mid-run
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(requests))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(WAIT)
+        assert not any(thread.is_alive() for thread in threads)
+        for index, handle in enumerate(handles):
+            assert handle.result(timeout=WAIT) == alone(target, requests[index], 10 + index)
+            assert sum(chunks[index], []) == handle.tokens and len(chunks[index]) == handle.rounds
+        assert server.stats.rounds > 0 and server.stats.new_tokens == sum(10 + i for i in range(len(requests)))
+        assert (server.stats.hit_rate is not None) == asynchronous
+
+
+def test_cancelling_one_request_leaves_the_others_unchanged(models):
+    target, drafter = models
+    requests = prompts(4, seed=1)
+
+    def run(cancel: bool) -> dict:
+        with D3DBatchServer(target, drafter, max_batch_size=4) as server:
+            handles = [server.submit(p, max_new_tokens=30, do_sample=i % 2 == 1, temperature=0.8, seed=i)
+                       for i, p in enumerate(requests)]
+            if cancel:
+                stream = handles[2].stream(timeout=WAIT)
+                next(stream)
+                assert handles[2].cancel()
+                assert list(stream) == []
+                with pytest.raises(CancelledError):
+                    handles[2].result(timeout=WAIT)
+                assert len(handles[2].tokens) < 30 and not handles[2].cancel()
+            return {i: h.result(timeout=WAIT) for i, h in enumerate(handles) if i != 2 or not cancel}
+
+    full, cancelled = run(False), run(True)
+    assert cancelled == {i: full[i] for i in (0, 1, 3)}
+    assert full[0] == alone(target, requests[0], 30)
+
+
+class Raises(LogitsProcessor):
+    def __call__(self, input_ids, scores):
+        raise RuntimeError("injected drafting failure")
+
+
+def test_a_failing_request_raises_and_the_others_finish(models):
+    target, drafter = models
+    requests = prompts(3, seed=2)
+    with D3DBatchServer(target, drafter, max_batch_size=3) as server:
+        handles = [server.submit(p, max_new_tokens=12, logits_processor=[Raises()] if i == 1 else None)
+                   for i, p in enumerate(requests)]
+        with pytest.raises(RuntimeError, match="injected"):
+            handles[1].result(timeout=WAIT)
+        with pytest.raises(RuntimeError, match="injected"):
+            list(handles[1].stream(timeout=WAIT))
+        for i in (0, 2):
+            assert handles[i].result(timeout=WAIT) == alone(target, requests[i], 12)
+
+
+def test_a_failing_batched_pass_fails_its_requests_and_the_server_goes_on(models):
+    target, drafter = models
+    failures = [RuntimeError("the drafter broke")]
+
+    def explode(module, args, kwargs):
+        if failures and kwargs.get("block_ids") is not None:  # the first batched drafting pass, not a prefill
+            raise failures.pop()
+
+    hook = drafter.register_forward_pre_hook(explode, with_kwargs=True)
+    try:
+        with D3DBatchServer(target, drafter, max_batch_size=2) as server:
+            requests = prompts(2, seed=3)
+            first = [server.submit(p, max_new_tokens=8) for p in requests]
+            failed = 0
+            for handle, prompt in zip(first, requests):  # the second may have joined after the failing round
+                try:
+                    assert handle.result(timeout=WAIT) == alone(target, prompt, 8)
+                except RuntimeError as error:
+                    assert "broke" in str(error)
+                    failed += 1
+            assert failed >= 1 and not failures
+            later = server.submit([1, 2, 3], max_new_tokens=8)
+            assert later.result(timeout=WAIT) == alone(target, [1, 2, 3], 8)
+    finally:
+        hook.remove()
+
+
+def test_sampling_settings_become_the_targets_processors(models):
+    target, drafter = models
+    with D3DBatchServer(target, drafter) as server:
+        handle = server.submit([1, 2], max_new_tokens=5, do_sample=True, temperature=0.7, top_k=5, top_p=0.9, seed=3)
+        assert [type(p) for p in handle.settings.logits_processor] == [TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper]
+        assert handle.settings.do_sample and len(handle.result(timeout=WAIT)) == 5
+
+
+def test_close_ends_waiting_requests_and_refuses_new_ones(models):
+    target, drafter = models
+    server = D3DBatchServer(target, drafter, max_batch_size=1)
+    handles = [server.submit(p, max_new_tokens=60) for p in prompts(3, seed=4)]
+    server.close(timeout=WAIT)
+    for handle in handles:
+        assert handle.done
+    with pytest.raises(CancelledError):
+        handles[-1].result(timeout=WAIT)
+    with pytest.raises(RuntimeError, match="closed"):
+        server.submit([1], max_new_tokens=2)
+
+
+def test_bad_requests_are_refused_at_submission(models):
+    target, drafter = models
+    with pytest.raises(ValueError, match="max_batch_size"):
+        D3DBatchServer(target, drafter, max_batch_size=0)
+    with pytest.raises(ValueError, match="vocabulary size"):
+        D3DBatchServer(tiny_target(0, vocab_size=12), drafter)
+    with D3DBatchServer(target, drafter) as server:
+        with pytest.raises(ValueError, match="at least one token"):
+            server.submit([], max_new_tokens=3)
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            server.submit([1], max_new_tokens=0)
+        with pytest.raises(ValueError, match="token ids"):
+            server.submit([1, 99], max_new_tokens=3)
+        with pytest.raises(ValueError, match="max_position_embeddings"):
+            server.submit([1] * 400, max_new_tokens=200)
+        assert server.submit([1], max_new_tokens=3).result(timeout=WAIT) == alone(target, [1], 3)
