@@ -92,4 +92,7 @@ def run(args: argparse.Namespace) -> int:
             f"{global_batch}; final loss "
             f"{result.training_loss:.4f}; drafter saved to {args.output}"
         )
+    # Every process waits for the save, then leaves the process group (no collective threads left at exit).
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
     return 0
