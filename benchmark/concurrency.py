@@ -8,7 +8,6 @@ All count the same new tokens (each row up to its EOS); every D3D row is checked
 level is warmed up first.
 """
 
-import json
 import time
 from pathlib import Path
 
@@ -16,6 +15,8 @@ import torch
 from tqdm.auto import tqdm
 
 from modeling_d3d.speculative_d3d import synchronize
+
+from .report import write_report
 
 
 def left_pad(prompts: list[torch.Tensor], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,12 +150,7 @@ def plot(results: dict, path: Path) -> None:
 
 def write(results: dict, output_dir: Path) -> str:
     """`concurrency.json`, `concurrency.md`, `concurrency.png` in `output_dir`; returns the markdown."""
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "concurrency.json").write_text(json.dumps(results, indent=2))
-    table = markdown(results)
-    (output_dir / "concurrency.md").write_text(table)
-    plot(results, output_dir / "concurrency.png")
-    return table
+    return write_report(results, output_dir, "concurrency", markdown, plot)
 
 
 __all__ = ["concurrency_benchmark", "left_pad", "markdown", "new_tokens", "plot", "timed", "write"]

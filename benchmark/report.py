@@ -1,6 +1,7 @@
 """Rendering benchmark results: a markdown table, JSON and a bar chart."""
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -69,14 +70,20 @@ def plot(results: dict, path: Path) -> None:
     plt.close(figure)
 
 
+def write_report(results: dict, output_dir: Path, name: str, render: Callable[[dict], str],
+                 draw: Callable[[dict, Path], None]) -> str:
+    """`<name>.json`, `<name>.md` (from `render`) and `<name>.png` (from `draw`) in `output_dir`; returns the markdown."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / f"{name}.json").write_text(json.dumps(results, indent=2))
+    table = render(results)
+    (output_dir / f"{name}.md").write_text(table)
+    draw(results, output_dir / f"{name}.png")
+    return table
+
+
 def write(results: dict, output_dir: Path) -> str:
     """`bench.json`, `bench.md`, `bench.png` in `output_dir`; returns the markdown."""
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "bench.json").write_text(json.dumps(results, indent=2))
-    table = markdown(results)
-    (output_dir / "bench.md").write_text(table)
-    plot(results, output_dir / "bench.png")
-    return table
+    return write_report(results, output_dir, "bench", markdown, plot)
 
 
 def prefill_markdown(results: dict) -> str:
@@ -129,12 +136,7 @@ def prefill_plot(results: dict, path: Path) -> None:
 
 def write_prefill(results: dict, output_dir: Path) -> str:
     """`prefill.json`, `prefill.md`, `prefill.png` in `output_dir`; returns the markdown."""
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "prefill.json").write_text(json.dumps(results, indent=2))
-    table = prefill_markdown(results)
-    (output_dir / "prefill.md").write_text(table)
-    prefill_plot(results, output_dir / "prefill.png")
-    return table
+    return write_report(results, output_dir, "prefill", prefill_markdown, prefill_plot)
 
 
-__all__ = ["markdown", "plot", "prefill_markdown", "prefill_plot", "write", "write_prefill"]
+__all__ = ["markdown", "plot", "prefill_markdown", "prefill_plot", "write", "write_prefill", "write_report"]

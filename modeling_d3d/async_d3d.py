@@ -17,7 +17,7 @@ from transformers import LogitsProcessorList
 from transformers.cache_utils import DynamicCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .speculative_d3d import SpeculativeStats, crop_to_common_prefix, synchronize
+from .speculative_d3d import AssistantFacade, AssistantSession, crop_to_common_prefix, synchronize
 
 DEFAULT_COVERAGE = 12
 DEFAULT_FANOUT = 2
@@ -29,14 +29,11 @@ def check_budget(block_size: int, coverage: int, fanout: int) -> None:
         raise ValueError(f"coverage must be in 1..{block_size} and fanout >= 0, got coverage={coverage}, fanout={fanout}")
 
 
-class _Session:
-    """The state of one `generate` call: the drafter cache (on the worker), the prepared branches, statistics.
-
-    transformers hands the assistant's `past_key_values` back every round; the generator returns this session in
-    that slot. It reports no cached tokens, so transformers never crops it; the real cache stays with the worker.
-    """
+class _Session(AssistantSession):
+    """The state of one `generate` call: the drafter cache (on the worker), the prepared branches, statistics."""
 
     def __init__(self, generator: "D3DAssistedGenerator", prompt: torch.Tensor, logits_processor, do_sample: bool):
+        super().__init__(prompt, budget_tokens=generator.budget_tokens)
         self.cache = DynamicCache(config=generator.config)
         self.cached_ids: list[int] = []
         self.logits_processor = LogitsProcessorList(logits_processor or [])
@@ -45,20 +42,13 @@ class _Session:
         self.rng = torch.Generator(device=generator.device).manual_seed(int(torch.randint(2**62, (1,))))
         self.prefix_length = 0
         self.pending: Future | None = None
-        self.stats = SpeculativeStats(prompt=prompt[0].tolist(), budget_tokens=generator.budget_tokens)
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0
-
-    def crop(self, max_length: int) -> None:
-        return None
 
     def sync_cache(self, prefix: list[int]) -> None:
         """Crop the drafter cache to the longest common prefix of what it holds and `prefix` (worker thread)."""
         crop_to_common_prefix(self.cache, self.cached_ids, prefix)
 
 
-class D3DAssistedGenerator:
+class D3DAssistedGenerator(AssistantFacade):
     """Asynchronous D3D drafting for `target.generate(..., assistant_model=generator)`.
 
     drafter: a `D3DForBlockDiffusion`; device: where it drafts (e.g. `"cuda:1"` with the target on `cuda:0`);
@@ -93,27 +83,6 @@ class D3DAssistedGenerator:
         self._lock = threading.Lock()
         self._session: _Session | None = None
         self._closed = False
-
-    # What transformers' assisted loop reads from an assistant model.
-    @property
-    def config(self):
-        return self.drafter.config
-
-    @property
-    def generation_config(self):
-        return self.drafter.generation_config
-
-    @property
-    def device(self) -> torch.device:
-        return self.drafter.device
-
-    def _supports_logits_to_keep(self) -> bool:
-        return False
-
-    @property
-    def generation_stats(self) -> SpeculativeStats | None:
-        """Statistics of the latest `generate` call (call `.settle(output)` to close its last round)."""
-        return self._session.stats if self._session is not None else None
 
     def generate(self, input_ids: torch.LongTensor, generation_config=None, logits_processor=None, **kwargs):
         """One round of transformers' assisted loop: hand out a block for the verified prefix `(1, L)`."""

@@ -29,7 +29,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .masking_d3d import block_layout
-from .speculative_d3d import SpeculativeStats, crop_to_common_prefix, draft_round
+from .speculative_d3d import AssistantFacade, AssistantSession, SpeculativeStats, crop_to_common_prefix, draft_round
 
 DEFAULT_CHUNK_SIZE = 32
 PROBE_BLOCK_SIZE = 2
@@ -184,21 +184,7 @@ def select_prompt_chunks(
     return choose_chunks(token_scores, retention, chunk_size)
 
 
-class _PrefillSession:
-    """What the assisted loop holds in the assistant's cache slot for one `generate` call: it reports no cached
-    tokens, so transformers never crops the drafter cache by the target's (shorter) lengths."""
-
-    def __init__(self, prompt: torch.Tensor):
-        self.stats = SpeculativeStats(prompt=prompt[0].tolist())
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0
-
-    def crop(self, max_length: int) -> None:
-        return None
-
-
-class SelectivePrefillDrafter:
+class SelectivePrefillDrafter(AssistantFacade):
     """Stands in for a D3D drafter in `target.generate(reduced_prompt, assistant_model=...)` when the target reads
     only the kept chunks: the drafter still drafts from the full prompt.
 
@@ -220,28 +206,7 @@ class SelectivePrefillDrafter:
         self.reduced_prompt = reduced_prompt.to(drafter.device)
         self.cache = past_key_values if past_key_values is not None else DynamicCache(config=drafter.config)
         self.cached_ids: list[int] = full_prompt[0, : self.cache.get_seq_length()].tolist()
-        self._session: _PrefillSession | None = None
-
-    # What transformers' assisted loop reads from an assistant model.
-    @property
-    def config(self):
-        return self.drafter.config
-
-    @property
-    def generation_config(self):
-        return self.drafter.generation_config
-
-    @property
-    def device(self) -> torch.device:
-        return self.drafter.device
-
-    def _supports_logits_to_keep(self) -> bool:
-        return False
-
-    @property
-    def generation_stats(self) -> SpeculativeStats | None:
-        """Statistics of the latest `generate` call, in the target's coordinates (settle with the target's output)."""
-        return self._session.stats if self._session is not None else None
+        self._session: AssistantSession | None = None
 
     def drafter_view(self, input_ids: torch.LongTensor) -> torch.LongTensor:
         """`(1, R + n)` the target's sequence -> `(1, L + n)` the full prompt followed by the same `n` tokens."""
@@ -257,7 +222,7 @@ class SelectivePrefillDrafter:
             raise ValueError("SelectivePrefillDrafter drafts for target.generate(..., assistant_model=...) only")
         session = kwargs.get("past_key_values")
         if session is None or session is not self._session:
-            session = self._session = _PrefillSession(input_ids)
+            session = self._session = AssistantSession(input_ids)
         drafter_ids = self.drafter_view(input_ids)
         prefix = drafter_ids[0, :-1].tolist()
         crop_to_common_prefix(self.cache, self.cached_ids, prefix)

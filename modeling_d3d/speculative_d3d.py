@@ -138,6 +138,50 @@ class SpeculativeStats:
         return sum(r.verify_seconds for r in self.rounds_drafted if r.verify_seconds is not None)
 
 
+class AssistantSession:
+    """One `generate` call of a stand-in for the drafter (`AssistantFacade`): its statistics, and what transformers'
+    assisted loop holds in the assistant's `past_key_values` slot. It reports no cached tokens, so transformers never
+    crops it; the stand-in keeps the real drafter cache itself, following the verified sequence by token ids."""
+
+    def __init__(self, prompt: torch.Tensor, budget_tokens: int | None = None):
+        self.stats = SpeculativeStats(prompt=prompt[0].tolist(), budget_tokens=budget_tokens)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def crop(self, max_length: int) -> None:
+        return None
+
+
+class AssistantFacade:
+    """What transformers' assisted loop reads from an assistant model, for objects that stand in for a D3D drafter
+    (`self.drafter`) and keep the current `AssistantSession` in `self._session`."""
+
+    drafter = None
+    _session: AssistantSession | None = None
+
+    @property
+    def config(self):
+        return self.drafter.config
+
+    @property
+    def generation_config(self):
+        return self.drafter.generation_config
+
+    @property
+    def device(self) -> torch.device:
+        return self.drafter.device
+
+    def _supports_logits_to_keep(self) -> bool:
+        return False
+
+    @property
+    def generation_stats(self) -> SpeculativeStats | None:
+        """Statistics of the latest `generate` call, in the target's coordinates (`.settle(output)` closes its last
+        round)."""
+        return self._session.stats if self._session is not None else None
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued work on `device` (CUDA runs asynchronously), so wall-clock timings are real."""
     if device.type == "cuda":
@@ -229,4 +273,4 @@ def check_compatibility(drafter, target, target_tokenizer=None, drafter_tokenize
         drafter.config.check_mask_token(target_tokenizer)
 
 
-__all__ = ["DraftRound", "SpeculativeStats", "synchronize", "check_compatibility", "assisted_generation_config", "propose_for_assisted_generation", "draft_round", "crop_to_common_prefix"]
+__all__ = ["AssistantFacade", "AssistantSession", "DraftRound", "SpeculativeStats", "synchronize", "check_compatibility", "assisted_generation_config", "propose_for_assisted_generation", "draft_round", "crop_to_common_prefix"]

@@ -46,7 +46,8 @@ class QuickstartSizes:
     vocab_size: int = 4096
     sequence_length: int = 256
     target: ModelSize = field(default_factory=lambda: ModelSize(256, 4, 4, 2, 768, 600, 16, 2e-3))
-    assistant: ModelSize = field(default_factory=lambda: ModelSize(192, 2, 4, 2, 576, 250, 16, 2e-3))
+    # The AR assistant has the drafter's size (the drafter starts from the target), trained for fewer steps.
+    assistant: ModelSize = field(default_factory=lambda: ModelSize(256, 4, 4, 2, 768, 250, 16, 2e-3))
     drafter_prompts: int = 1200
     response_tokens: int = 128
     block_size: int = 16
@@ -57,7 +58,7 @@ class QuickstartSizes:
     prune_stages: int = 1
     recovery_steps: int = 60
     dev_prompts: int = 8
-    bench_prompts: int = 40
+    bench_prompts: int = 32
     bench_pydoc_prompts: int = 10
     bench_new_tokens: int = 128
 

@@ -12,10 +12,12 @@ import gradio as gr
 if __package__:
     from .decoding import MAX_FANOUT, MAX_NEW_TOKENS, MAX_TEMPERATURE, Settings, compare_live, prepare_request, whole_number
     from .loading import add_arguments, devices, load_models, model_sources
+    from .prefill_view import prefill_preview
     from .render import legend_html, rounds_svg, stats_html, tokens_html
 else:  # beside its modules as the root of a Space
     from decoding import MAX_FANOUT, MAX_NEW_TOKENS, MAX_TEMPERATURE, Settings, compare_live, prepare_request, whole_number
     from loading import add_arguments, devices, load_models, model_sources
+    from prefill_view import prefill_preview
     from render import legend_html, rounds_svg, stats_html, tokens_html
 
 INTRO = """# D3D: Decoupled Diffusion Drafting
@@ -78,6 +80,27 @@ def build_demo(target, drafter, tokenizer, concurrency_limit: int = 2) -> gr.Blo
         gr.on(
             [run.click, prompt.submit], generate, inputs, outputs, api_name="generate", concurrency_limit=concurrency_limit
         )
+        with gr.Accordion("Selective prefill: which prompt chunks the target would read", open=False):
+            gr.Markdown(
+                "For long prompts the drafter scores chunks of the prompt with a one-MASK probe and the target "
+                "prefills only the best ones (about ρL tokens, in order; the last chunk always). Kept chunks are "
+                "shaded by score, dropped ones struck through. With ρ < 1 the output is the target's output on the "
+                "kept chunks, no longer on the full prompt."
+            )
+            with gr.Row():
+                retention = gr.Slider(0.05, 1.0, value=0.2, step=0.05, label="retention ρ")
+                chunk_size = gr.Slider(1, 256, value=32, step=1, precision=0, label="chunk size (tokens)")
+                show_chunks = gr.Button("Show kept chunks", elem_id="show-chunks")
+            chunks = gr.HTML(elem_id="prefill-chunks")
+
+        def preview(prompt_text, retention_value, chunk_value):
+            try:
+                return prefill_preview(drafter, tokenizer, prompt_text, retention_value, whole_number("chunk size", chunk_value))
+            except (TypeError, ValueError) as error:
+                raise gr.Error(str(error)) from error
+
+        show_chunks.click(preview, [prompt, retention, chunk_size], chunks, api_name="prefill_chunks",
+                          concurrency_limit=concurrency_limit)
     return demo
 
 

@@ -7,6 +7,11 @@ index, token range and score.
 
 import html
 
+if __package__:
+    from .decoding import encode_prompt
+else:  # beside its modules as the root of a Space
+    from decoding import encode_prompt
+
 TEXT_STYLE = "white-space: pre-wrap; font-family: ui-monospace, monospace; line-height: 1.7; color: #111827"
 
 
@@ -35,4 +40,11 @@ def kept_chunks_html(tokenizer, input_ids, selection) -> str:
     return f'{summary}<div class="d3d-prefill" style="{TEXT_STYLE}; padding: 8px">{"".join(spans)}</div>'
 
 
-__all__ = ["kept_chunks_html"]
+def prefill_preview(drafter, tokenizer, prompt: str | None, retention: float, chunk_size: int) -> str:
+    """The chunks the drafter's one-MASK probe keeps of `prompt` at `retention` (what the target would prefill under
+    `selective_prefill=retention`), as `kept_chunks_html`. Raises `ValueError` for an empty prompt or bad settings."""
+    ids = encode_prompt(tokenizer, prompt).to(drafter.device)
+    return kept_chunks_html(tokenizer, ids, drafter.select_prompt_chunks(ids, float(retention), int(chunk_size)))
+
+
+__all__ = ["kept_chunks_html", "prefill_preview"]

@@ -48,6 +48,15 @@ def word_tokenizer(num_words: int = 90, words: tuple[str, ...] = ()) -> PreTrain
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>")
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models run fastest on one thread; on a shared two-core machine two threads stall each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def drafter() -> D3DForBlockDiffusion:
     return tiny_drafter()

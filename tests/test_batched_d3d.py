@@ -18,13 +18,7 @@ from modeling_d3d.batched_d3d import compact, join_rows, rejection_sample, succe
 DECODERS = {"sync": D3DBatchDecoder, "async": D3DAsyncBatchDecoder}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models run fastest on one thread; on a shared two-core machine two threads stall each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def pair(seed: int, block_size: int, vocab_size: int, **kwargs):

@@ -1,6 +1,7 @@
 """The whole quickstart pipeline at micro size: every artifact, lossless methods, remote-code drafter, stage reuse."""
 
 import json
+import re
 
 import pytest
 
@@ -45,6 +46,15 @@ def test_the_drafter_folder_loads_with_remote_code_in_a_fresh_process(output):
     """
     result = run_without_project(code, str(output), cwd=output.parent)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_the_model_card_usage_snippet_runs_as_written(output):
+    card = (output / "drafter" / "README.md").read_text()
+    snippet = re.search(r"```python\n(.*?)```", card, re.S).group(1)
+    assert "trust_remote_code=True" in snippet and "async_generator" in snippet
+    result = run_without_project(snippet, cwd=output.parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().startswith("def fibonacci(n):")
 
 
 def test_a_second_run_reuses_finished_stages(output):

@@ -14,13 +14,7 @@ from modeling_d3d import D3DBatchServer, D3DForBlockDiffusion
 WAIT = 60
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models run fastest on one thread; on a shared two-core machine two threads stall each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

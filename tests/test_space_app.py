@@ -1,5 +1,6 @@
 """The Space's logic on tiny saved models (token kinds, live statistics, settings) and its streaming API endpoint."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from cli.main import build_parser
 from conftest import run_without_project
 from space_app.decoding import (
     CACHE, DRAFT, TARGET, Detokenizer, DraftLength, Settings, check_settings, compare_live, decode_live,
-    prepare_request, token_kinds,
+    encode_prompt, prepare_request, token_kinds,
 )
 from space_app.loading import DEFAULT_DRAFTER, DEFAULT_TARGET, model_sources
 from space_app.render import rounds_svg, stats_html, tokens_html
@@ -217,3 +218,18 @@ def test_the_space_runs_without_this_project_installed(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "space ran transformers_modules." in result.stdout
+
+
+def test_the_space_shows_the_chunks_selective_prefill_keeps(space_models):
+    target, drafter, tokenizer = space_models
+    prompt = " ".join(f"w{i % 80}" for i in range(3, 60))
+    ids = encode_prompt(tokenizer, prompt)
+    selection = drafter.select_prompt_chunks(ids, 0.3, 8)
+    with served(build_demo(target, drafter, tokenizer)) as url:
+        client = Client(url, verbose=False)
+        page = client.predict(prompt, 0.3, 8, api_name="/prefill_chunks")
+        with pytest.raises(Exception, match="Enter a prompt"):
+            client.predict(" ", 0.3, 8, api_name="/prefill_chunks")
+    kept = [int(index) for index in re.findall(r'data-kept="true"[^>]*title="chunk (\d+),', page)]
+    assert kept == sorted(selection.kept) and page.count('class="d3d-chunk"') == len(selection.spans)
+    assert f"{selection.kept_length} of {ids.shape[1]} tokens" in page
