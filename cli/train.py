@@ -2,6 +2,7 @@
 
 import argparse
 import importlib.util
+from pathlib import Path
 
 import torch
 
@@ -68,6 +69,11 @@ def recipe_arguments(args: argparse.Namespace, output_dir: str, max_steps: int) 
     return training_args
 
 
+def _as_recorded(model: str) -> str:
+    """A Hub id as given; a local folder as its absolute path (so no one mistakes it for a Hub id later)."""
+    return str(Path(model).resolve()) if Path(model).exists() else model
+
+
 def run(args: argparse.Namespace) -> int:
     target, tokenizer = load_target(args.target, device_map="cpu" if not torch.cuda.is_available() else None)
     drafter = D3DForBlockDiffusion.from_backbone(
@@ -82,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         batch = trainer.args.per_device_train_batch_size
         global_batch = batch * trainer.accelerator.num_processes * trainer.args.gradient_accumulation_steps
         DrafterProvenance(
-            target=args.target, base_model=args.init or args.target,
+            target=_as_recorded(args.target), base_model=_as_recorded(args.init or args.target),
             training_data=f"{len(trainer.train_dataset)} target-regenerated responses from `{args.data}`",
             recipe={"steps": result.global_step, "global batch": global_batch, "learning rate": args.learning_rate,
                     "loss": f"L_diff (gamma {args.gamma}) + {args.ar_weight} L_AR", "anchors per example": args.num_anchors},

@@ -58,8 +58,8 @@ def eval_results(bench: dict) -> list[EvalResult]:
 
 
 def _hub_id(name: str) -> bool:
-    """Whether `name` reads as a Hub repo id (`owner/name`) rather than a local folder."""
-    return name.count("/") == 1 and not Path(name).exists() and not name.startswith((".", "/"))
+    """Whether `name` reads as a Hub repo id (`owner/name`) rather than a local folder (recorded absolute)."""
+    return name.count("/") == 1 and not name.startswith((".", "/", "~"))
 
 
 def build_model_card(folder: str | Path, repo: str, bench: dict | None = None, target: str | None = None) -> ModelCard:
@@ -71,10 +71,13 @@ def build_model_card(folder: str | Path, repo: str, bench: dict | None = None, t
 
     config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
     provenance = DrafterProvenance.load(folder)
-    target = target or (provenance.target if provenance else None)
+    recorded_target = provenance.target if provenance else None
+    base_model = provenance.base_model if provenance else None
+    if target and base_model is not None and base_model == recorded_target:  # initialised from the target
+        base_model = target
+    target = target or recorded_target
     if target is None:
         raise ValueError(f"{folder} does not record its target model: name it (d3d push --target ORG/MODEL)")
-    base_model = provenance.base_model if provenance else None
     data = ModelCardData(
         model_name=repo.split("/")[-1], library_name="transformers", pipeline_tag="text-generation",
         base_model=base_model if base_model and _hub_id(base_model) else None,
@@ -90,7 +93,8 @@ def build_model_card(folder: str | Path, repo: str, bench: dict | None = None, t
     training = ""
     if provenance:
         recipe = ", ".join(f"{key} {value}" for key, value in provenance.recipe.items()) or "not recorded"
-        training = (f"- initialised from: `{provenance.base_model}`\n- training data: {provenance.training_data}\n"
+        training = (f"- initialised from: `{base_model or 'not recorded'}`\n"
+                    f"- training data: {provenance.training_data or 'not recorded'}\n"
                     f"- recipe: {recipe}\n")
     benchmark = ""
     if bench:

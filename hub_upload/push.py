@@ -13,7 +13,7 @@ from pathlib import Path
 from huggingface_hub import HfApi, get_token
 from huggingface_hub.errors import HfHubHTTPError
 
-from .model_card import write_model_card
+from .model_card import build_model_card
 
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 # Training leftovers that do not belong in a published model repo.
@@ -47,15 +47,12 @@ def stage_drafter(folder: str | Path, repo_id: str, destination: str | Path, ben
     """Copy what gets published from `folder` to `destination` and write the model card there; returns it."""
     folder, destination = Path(folder), Path(destination)
     check_drafter_folder(folder)
+    card = build_model_card(folder, repo_id, bench, target)  # fails before anything is written
     destination.mkdir(parents=True, exist_ok=True)
     for path in sorted(folder.iterdir()):
         if path.is_file() and not path.name.startswith(".") and path.name not in SKIPPED:
             shutil.copy2(path, destination / path.name)
-    provenance = folder / "d3d_training.json"
-    if provenance.is_file():  # the card reads it; it is not published
-        shutil.copy2(provenance, destination / provenance.name)
-    write_model_card(destination, repo_id, bench, target)
-    (destination / provenance.name).unlink(missing_ok=True)
+    card.save(destination / "README.md")
     return destination
 
 

@@ -408,8 +408,8 @@ class D3DBatchDecoder:
         self._drafter_valid = join_rows(self._drafter_cache, self._drafter_valid, drafter_cache, ones)
         self.rows.append(BatchRow(
             key, list(prompt), len(prompt), settings,
-            draft_rng=torch.Generator(device=self.drafter.device).manual_seed(seed),
-            verify_rng=torch.Generator(device=self.target.device).manual_seed(seed + 1),
+            draft_rng=torch.Generator(device=self.drafter.device).manual_seed(2 * seed),
+            verify_rng=torch.Generator(device=self.target.device).manual_seed(2 * seed + 1),
             drafter_cached=len(prompt) - 1,
         ))
         self.stats.prefill_seconds += time.perf_counter() - start
@@ -629,6 +629,24 @@ class D3DAsyncBatchDecoder(D3DBatchDecoder):
         self._drafter_valid = compact(self._drafter_cache, valid)
 
 
+# generate settings whose processors depend on the prompt's length or are built per padded batch.
+LENGTH_DEPENDENT_SETTINGS = ("min_length", "min_new_tokens", "forced_eos_token_id", "begin_suppress_tokens",
+                             "exponential_decay_length_penalty")
+
+
+def check_length_dependent_settings(generation_config, batch_size: int, padded: bool) -> None:
+    """Raise `ValueError` for settings `generate` builds processors for that a padded batch would get wrong: it builds
+    them for the padded width (or, for `repetition_penalty`, per padded row), while each row is processed on its own
+    tokens. `D3DBatchServer` builds them per request and takes them all."""
+    used = [name for name in LENGTH_DEPENDENT_SETTINGS if getattr(generation_config, name, None)]
+    if padded and used:
+        raise ValueError(f"{', '.join(used)} depend(s) on the prompt length, which left padding changes: decode these "
+                         "prompts with D3DBatchServer (processors built per request) or one at a time")
+    if batch_size > 1 and generation_config.repetition_penalty not in (None, 1.0):
+        raise ValueError("repetition_penalty is built per padded row by generate; for batches use D3DBatchServer "
+                         "(processors built per request)")
+
+
 def batched_speculative_generate(
     model,
     input_ids: torch.LongTensor,
@@ -659,6 +677,7 @@ def batched_speculative_generate(
     attention_mask = model_kwargs.get("attention_mask")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
+    check_length_dependent_settings(generation_config, input_ids.shape[0], bool((attention_mask == 0).any()))
     eos = generation_config.eos_token_id
     eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
     max_new_tokens = generation_config.max_length - input_ids.shape[1]
@@ -683,6 +702,6 @@ def batched_speculative_generate(
 
 __all__ = [
     "BatchRow", "BatchStats", "D3DAsyncBatchDecoder", "D3DBatchDecoder", "RoundOutcome", "RowSettings",
-    "batched_speculative_generate", "compact", "draft_pass", "finish", "greedy_accept", "join_rows", "process_target_logits", "rejection_sample",
+    "batched_speculative_generate", "check_length_dependent_settings", "compact", "draft_pass", "finish", "greedy_accept", "join_rows", "process_target_logits", "rejection_sample",
     "select_rows", "successor_pass", "verify_pass",
 ]

@@ -20,12 +20,11 @@ With `retention < 1` the output is the target's output on the reduced prompt, no
 `retention == 1` `d3d_generate` is exactly `target.generate(input_ids, assistant_model=drafter)`.
 """
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import DynamicCache
+from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .masking_d3d import block_layout
@@ -114,25 +113,55 @@ def chunk_spans(length: int, chunk_size: int) -> list[tuple[int, int]]:
     return sorted((max(0, end - chunk_size), end) for end in range(length, 0, -chunk_size))
 
 
-@contextmanager
-def _eager_attention(model) -> Iterator[None]:
-    """Run `model` with eager attention inside the block (the one backend that returns attention probabilities)."""
-    previous = model.config._attn_implementation
-    model.config._attn_implementation = "eager"
-    try:
-        yield
-    finally:
-        model.config._attn_implementation = previous
+class _MaskQueryRecorder:
+    """Forward hooks that keep, per decoder layer, the MASK position's query `(heads, head_dim)` after `q_norm`
+    and the rotary `(cos, sin)` of the pass, so the probe can score keys without changing the attention backend
+    (the model's config is shared with other threads, which may be drafting with it at the same time)."""
+
+    def __init__(self, drafter):
+        self.queries: list[torch.Tensor] = []
+        self.rotary: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.handles = []
+        for layer in drafter.model.layers:
+            self.handles.append(layer.self_attn.q_norm.register_forward_hook(self._keep_query))
+            self.handles.append(layer.self_attn.register_forward_pre_hook(self._keep_rotary, with_kwargs=True))
+
+    def _keep_query(self, module, inputs, output: torch.Tensor) -> None:
+        self.queries.append(output[0, -1])  # (heads, head_dim): the last position of the pass is the MASK
+
+    def _keep_rotary(self, module, args, kwargs) -> None:
+        cos, sin = kwargs["position_embeddings"]
+        self.rotary.append((cos[:, -1:], sin[:, -1:]))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _mask_attention(drafter, recorder: _MaskQueryRecorder, cache: DynamicCache, length: int) -> torch.Tensor:
+    """`(layers, heads, L)`: the MASK query's attention probabilities over the prompt's keys, per layer and head.
+    The MASK sees every cached key (the prefix, the anchor and itself: the block is bidirectional)."""
+    rows = []
+    for index, layer in enumerate(drafter.model.layers):
+        attention = layer.self_attn
+        cos, sin = recorder.rotary[index]
+        query = recorder.queries[index][None, :, None, :]  # (1, heads, 1, head_dim)
+        query = apply_rotary_pos_emb(query, query, cos, sin)[0][0, :, 0].float()
+        keys = cache.layers[index].keys[0].float()  # (kv_heads, T, head_dim)
+        keys = keys.repeat_interleave(query.shape[0] // keys.shape[0], dim=0)
+        probabilities = (torch.einsum("hd,htd->ht", query, keys) * attention.scaling).softmax(dim=-1)
+        rows.append(probabilities[:, :length])
+    return torch.stack(rows)
 
 
 @torch.no_grad()
 def probe_token_importance(drafter, input_ids: torch.LongTensor) -> tuple[torch.FloatTensor, DynamicCache]:
     """The one-MASK importance probe: `(1, L)` prompt -> `(L,)` token scores and the drafter cache of `x_1..x_{L-1}`.
 
-    The prefix `x_1..x_{L-1}` is prefilled causally with the drafter's configured attention (this cache is exactly
-    what the first drafted block needs, so selective prefill reuses it); the 2-token block `[x_L, M]` then runs with
-    eager attention and `output_attentions=True`, which costs one query row over L keys per layer and head. Score of
-    token i: the MASK query's attention probability to key i, mean over layers and query heads.
+    The prefix `x_1..x_{L-1}` is prefilled causally (this cache is exactly what the first drafted block needs, so
+    selective prefill reuses it); the 2-token block `[x_L, M]` then runs with the drafter's own attention backend,
+    hooks keep the MASK's query, and its attention probabilities over the cached keys are computed from them (one
+    query row over L keys per layer and head). Score of token i: that probability, mean over layers and query heads.
     """
     length = input_ids.shape[1]
     device = drafter.model.embed_tokens.weight.device
@@ -142,20 +171,22 @@ def probe_token_importance(drafter, input_ids: torch.LongTensor) -> tuple[torch.
         drafter(input_ids=input_ids[:, :-1], past_key_values=cache, use_cache=True, logits_to_keep=1)
     anchor = torch.full((1, 1), length - 1, device=device, dtype=torch.long)
     block_ids, visible_prefix, position_ids = block_layout(0, anchor, PROBE_BLOCK_SIZE, length - 1)
-    with _eager_attention(drafter):
-        attentions = drafter(
+    recorder = _MaskQueryRecorder(drafter)
+    try:
+        drafter(
             input_ids=drafter.mask_blocks(input_ids[:, -1:])[:, :PROBE_BLOCK_SIZE],
             position_ids=position_ids,
             block_ids=block_ids,
             visible_prefix=visible_prefix,
             past_key_values=cache,
             use_cache=True,
-            output_attentions=True,
             logits_to_keep=1,
-        ).attentions
+        )
+    finally:
+        recorder.remove()
+    mask_rows = _mask_attention(drafter, recorder, cache, length)  # (layers, heads, L)
     cache.crop(-PROBE_BLOCK_SIZE)
-    mask_rows = torch.stack([layer[0, :, -1, :length] for layer in attentions])  # (layers, heads, L)
-    return mask_rows.float().mean(dim=(0, 1)), cache
+    return mask_rows.mean(dim=(0, 1)), cache
 
 
 def choose_chunks(token_scores: torch.Tensor, retention: float, chunk_size: int) -> PromptSelection:

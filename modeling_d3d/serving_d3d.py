@@ -79,6 +79,7 @@ class RequestHandle:
             except queue.Empty:
                 raise TimeoutError(f"request {self.request_id}: no tokens for {timeout} s") from None
             if chunk is _END:
+                self._chunks.put(_END)  # every later reader ends too
                 if self._error is not None:
                     raise self._error
                 return
@@ -166,11 +167,16 @@ class D3DBatchServer:
         own logits processors are built, as `generate` builds them; `logits_processor` adds processors of your own.
         `do_sample` and `eos_token_id` default to the target's generation config; `seed` fixes this request's random
         draws. Raises `ValueError` for a request the server cannot decode."""
-        prompt = torch.as_tensor(input_ids).reshape(-1).tolist()
+        ids = torch.as_tensor(input_ids)
+        if ids.dim() > 2 or (ids.dim() == 2 and ids.shape[0] != 1):
+            raise ValueError(f"submit takes one prompt, (1, L), (L,) or a list of ids; got shape {tuple(ids.shape)}")
+        prompt = ids.reshape(-1).tolist()
         if not prompt:
             raise ValueError("A prompt needs at least one token")
         config = GenerationConfig.from_dict(self.target.generation_config.to_dict())
-        config.update(max_new_tokens=max_new_tokens, **generation_settings)
+        unused = config.update(max_new_tokens=max_new_tokens, **generation_settings)
+        if unused:
+            raise ValueError(f"Unknown generation settings: {', '.join(sorted(unused))}")
         if do_sample is not None:
             config.do_sample = do_sample
         config.validate()

@@ -130,7 +130,7 @@ def run_quickstart(output: Path, sizes: QuickstartSizes = QuickstartSizes()) -> 
         D3DTrainer(drafter, _drafter_args(trained, sizes, sizes.drafter_steps), train_dataset=train_data).train()
         drafter.save_pretrained(trained)
         DrafterProvenance(
-            target=str(output / "target"), base_model=str(output / "target"),
+            target=str((output / "target").resolve()), base_model=str((output / "target").resolve()),
             training_data=(f"{len(train_data)} target-regenerated responses to standard-library function prompts "
                            "(the embedded quickstart corpus)"),
             recipe={"steps": sizes.drafter_steps, "batch": sizes.drafter_batch_size,

@@ -406,3 +406,12 @@ def test_batched_decoding_works_from_the_saved_remote_code(tmp_path):
     result = run_without_project(REMOTE_BATCH, str(tmp_path / "drafter"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "batched remote code ok" in result.stdout
+
+
+@pytest.mark.parametrize("settings", [{"min_new_tokens": 3}, {"forced_eos_token_id": 1}, {"repetition_penalty": 1.3}])
+def test_settings_a_padded_batch_would_get_wrong_are_refused(settings):
+    target, drafter = pair(0, block_size=4, vocab_size=12)
+    ids = torch.tensor([[0, 0, 5, 6], [3, 4, 5, 6]])
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    with pytest.raises(ValueError, match="D3DBatchServer"):
+        drafter.generate_batch(target, ids, attention_mask=mask, max_new_tokens=4, do_sample=False, **settings)

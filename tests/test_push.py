@@ -10,7 +10,7 @@ from cli.main import main
 from conftest import run_without_project, tiny_drafter, word_tokenizer
 from hub_upload.push import PushError, push_drafter
 from mock_hub import MockHub
-from trainer.provenance import DrafterProvenance
+from trainer.provenance import DrafterProvenance, record_pruning
 
 TOKEN = "hf_secret_test_token_0123456789"
 
@@ -130,6 +130,26 @@ def test_a_drafter_without_a_recorded_target_needs_one(drafter_folder, tmp_path)
     assert main(["push", str(drafter_folder), "me/d3d-tiny", "--dry-run", str(tmp_path / "out"),
                  "--target", "org/other-lm"]) == 0
     assert 'AutoModelForCausalLM.from_pretrained("org/other-lm")' in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_a_card_that_cannot_be_built_writes_nothing(drafter_folder, tmp_path):
+    output = tmp_path / "upload"
+    with pytest.raises(KeyError):
+        main(["push", str(drafter_folder), "me/d3d-tiny", "--dry-run", str(output),
+              "--bench", str(_write(tmp_path / "bench.json", {"hardware": "x"}))])
+    assert not output.exists()
+
+
+def test_a_pruned_drafter_without_provenance_does_not_invent_a_target(drafter_folder, tmp_path):
+    (drafter_folder / "d3d_training.json").unlink()
+    pruned = tmp_path / "pruned"
+    tiny_drafter(seed=4, block_size=5, layers=1).save_pretrained(pruned)
+    record_pruning(drafter_folder, pruned)
+    with pytest.raises(ValueError, match="does not record its target"):
+        main(["push", str(pruned), "me/d3d-tiny", "--dry-run", str(tmp_path / "out")])
+    assert main(["push", str(pruned), "me/d3d-tiny", "--dry-run", str(tmp_path / "out"), "--target", "org/lm"]) == 0
+    card = ModelCard.load(tmp_path / "out" / "README.md")
+    assert "2 -> 1 layers" in card.text and "not recorded" in card.text and card.data.base_model is None
 
 
 def _write(path: Path, data: dict) -> Path:

@@ -78,10 +78,14 @@ def test_kept_chunks_are_ordered_and_about_retention_times_length(models, length
 
 
 def test_probe_matches_one_uncached_eager_pass(models):
-    """The cached probe (sdpa prefix, eager 2-token block) equals the MASK row of one eager pass over prompt + block."""
+    """The cached probe (sdpa passes, MASK row from its recorded query) equals the MASK row of one eager pass over
+    prompt + block; it leaves the drafter as it found it (attention backend, hooks), so other threads may use it."""
     _, drafter = models
     ids = prompt(40, seed=4)
+    backend = drafter.config._attn_implementation
     scores, cache = probe_token_importance(drafter, ids)
+    assert drafter.config._attn_implementation == backend == "sdpa"
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in drafter.modules())
     assert cache.get_seq_length() == ids.shape[1] - 1
     length = ids.shape[1]
     block_ids, visible_prefix, position_ids = block_layout(length - 1, torch.tensor([[length - 1]]), 2)

@@ -59,6 +59,18 @@ def test_concurrent_requests_stream_their_own_tokens(models, asynchronous):
         assert (server.stats.hit_rate is not None) == asynchronous
 
 
+def test_a_finished_stream_can_be_read_again_and_bad_requests_are_refused(models):
+    target, drafter = models
+    with D3DBatchServer(target, drafter, max_batch_size=2) as server:
+        handle = server.submit(prompts(1, seed=3)[0], max_new_tokens=6)
+        first = sum(handle.stream(timeout=WAIT), [])
+        assert sum(handle.stream(timeout=WAIT), []) == [] and first == handle.result(timeout=WAIT)
+        with pytest.raises(ValueError, match="Unknown generation settings: temprature"):
+            server.submit(prompts(1, seed=3)[0], max_new_tokens=6, temprature=0.5)
+        with pytest.raises(ValueError, match="one prompt"):
+            server.submit(torch.ones(2, 3, dtype=torch.long), max_new_tokens=6)
+
+
 def test_cancelling_one_request_leaves_the_others_unchanged(models):
     target, drafter = models
     requests = prompts(4, seed=1)
@@ -69,9 +81,9 @@ def test_cancelling_one_request_leaves_the_others_unchanged(models):
                        for i, p in enumerate(requests)]
             if cancel:
                 stream = handles[2].stream(timeout=WAIT)
-                next(stream)
+                first = next(stream)
                 assert handles[2].cancel()
-                assert list(stream) == []
+                assert first + sum(list(stream), []) == handles[2].tokens  # chunks queued before the cancel, then the end
                 with pytest.raises(CancelledError):
                     handles[2].result(timeout=WAIT)
                 assert len(handles[2].tokens) < 30 and not handles[2].cancel()

@@ -10,11 +10,11 @@ PROVENANCE = "d3d_training.json"
 @dataclass
 class DrafterProvenance:
     """target: the model it drafts for; base_model: what its weights were initialised from; training_data and
-    recipe: what it learned from and how; layers_before_pruning / pruning_stages: acceptance-guided pruning."""
+    recipe: what it learned from and how (None: not recorded); layers_before_pruning / pruning_stages: acceptance-guided pruning."""
 
-    target: str
-    base_model: str
-    training_data: str
+    target: str | None
+    base_model: str | None
+    training_data: str | None
     recipe: dict = field(default_factory=dict)
     layers_before_pruning: int | None = None
     pruning_stages: int = 0
@@ -35,7 +35,7 @@ def _depth(folder: str | Path) -> int:
 
 def record_pruning(source: str | Path, pruned: str | Path) -> None:
     """Give the pruned drafter in `pruned` the provenance of `source`, plus the layers pruning removed (one a stage)."""
-    provenance = DrafterProvenance.load(source) or DrafterProvenance("not recorded", "not recorded", "not recorded")
+    provenance = DrafterProvenance.load(source) or DrafterProvenance(None, None, None)
     before, after = _depth(source), _depth(pruned)
     provenance.layers_before_pruning = provenance.layers_before_pruning or before
     provenance.pruning_stages += before - after
