@@ -1,7 +1,8 @@
 """Publishing a drafter folder to the Hugging Face Hub: weights, remote code, tokenizer and a model card.
 
 The files are staged in a temporary folder (the drafter folder is never modified), checked (`auto_map` points at
-remote-code files that are there, weights are there), and committed in one commit. The token comes from the usual
+remote-code files that are there, weights are there), and committed in one commit, which also deletes what an
+earlier push left in the repo and this one does not carry. The token comes from the usual
 `huggingface_hub` places (`HF_TOKEN`, `hf auth login`); it is never printed.
 """
 
@@ -68,7 +69,9 @@ def push_drafter(folder: str | Path, repo_id: str, bench: dict | None = None, ta
         stage_drafter(folder, repo_id, staging, bench, target)
         try:
             api.create_repo(repo_id, private=private, exist_ok=True)
-            commit = api.upload_folder(folder_path=staging, repo_id=repo_id, commit_message=commit_message)
+            # delete_patterns: files of an earlier push that this one does not carry go (stale weights, shards).
+            commit = api.upload_folder(folder_path=staging, repo_id=repo_id, commit_message=commit_message,
+                                       delete_patterns="*")
         except HfHubHTTPError as error:
             status = error.response.status_code if error.response is not None else "no response"
             raise PushError(f"Publishing {folder} to {repo_id} failed (HTTP {status}): {error.server_message or error}") from error

@@ -1,10 +1,11 @@
 """A local stand-in for the Hugging Face Hub's HTTP API: the endpoints `huggingface_hub` uses to publish a folder.
 
-It speaks create repo, validate YAML, preupload and commit (regular, base64-inline files), keeps what it was sent,
-and can be told to refuse commits, so that publishing is tested end to end over real HTTP on 127.0.0.1.
+It speaks create repo, validate YAML, list files (tree), preupload and commit (regular, base64-inline files and
+deletions), keeps what it was sent, and can be told to refuse commits, so that publishing is tested end to end over real HTTP on 127.0.0.1.
 """
 
 import base64
+import hashlib
 import json
 import re
 import threading
@@ -35,6 +36,16 @@ def _handler(state: HubState):
             self.send_header("Content-Length", str(len(payload)))
             self.end_headers()
             self.wfile.write(payload)
+
+        def do_GET(self) -> None:
+            path = self.path.split("?")[0]
+            state.requests.append(("GET", path))
+            match = re.match(r"^/api/models/(.+)/tree/([^/]+)$", path)
+            if match is None or match.group(1) not in state.repos:
+                return self._reply(404, {"error": f"Not found: {path}"})
+            files = state.files[match.group(1)]
+            return self._reply(200, [{"type": "file", "path": name, "size": len(content),
+                                      "oid": hashlib.sha1(content).hexdigest()} for name, content in sorted(files.items())])
 
         def do_POST(self) -> None:
             length = int(self.headers.get("Content-Length", 0))
@@ -71,6 +82,8 @@ def _handler(state: HubState):
                 item = json.loads(line)
                 if item["key"] == "file":
                     state.files[repo_id][item["value"]["path"]] = base64.b64decode(item["value"]["content"])
+                elif item["key"] == "deletedFile":
+                    state.files[repo_id].pop(item["value"]["path"], None)
             return self._reply(200, {"commitUrl": f"http://{self.headers['host']}/{repo_id}/commit/{'1' * 40}",
                                      "commitOid": "1" * 40})
 

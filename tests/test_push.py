@@ -51,8 +51,8 @@ def test_push_uploads_the_folder_and_a_card_that_round_trips(drafter_folder, tmp
     assert snapshot(drafter_folder) == before  # the source folder is never modified
     assert list(hub.state.repos) == ["me/d3d-tiny"]
     assert [path for _, path in hub.state.requests] == [
-        "/api/repos/create", "/api/validate-yaml", "/api/models/me/d3d-tiny/preupload/main",
-        "/api/models/me/d3d-tiny/commit/main",
+        "/api/repos/create", "/api/models/me/d3d-tiny/tree/main", "/api/validate-yaml",
+        "/api/models/me/d3d-tiny/preupload/main", "/api/models/me/d3d-tiny/commit/main",
     ]
     uploaded = hub.state.files["me/d3d-tiny"]
     assert set(uploaded) == (set(before) - {"d3d_training.json"}) | {"README.md"}
@@ -85,6 +85,15 @@ def test_push_uploads_the_folder_and_a_card_that_round_trips(drafter_folder, tmp
     )
     assert loaded.returncode == 0, loaded.stderr
     assert loaded.stdout.split() == ["D3DForBlockDiffusion", "5"]
+
+
+def test_a_second_push_leaves_no_stale_files(drafter_folder, tmp_path):
+    with MockHub() as hub:
+        push_drafter(drafter_folder, "me/d3d-tiny", token=TOKEN, endpoint=hub.endpoint)
+        hub.state.files["me/d3d-tiny"]["model-00001-of-00002.safetensors"] = b"stale shard of an earlier push"
+        (drafter_folder / "tokenizer.json").unlink()
+        push_drafter(drafter_folder, "me/d3d-tiny", token=TOKEN, endpoint=hub.endpoint)
+    assert set(hub.state.files["me/d3d-tiny"]) == (set(snapshot(drafter_folder)) - {"d3d_training.json"}) | {"README.md"}
 
 
 def test_a_refused_commit_is_a_clear_error_and_leaves_nothing_behind(drafter_folder, tmp_path, monkeypatch):
