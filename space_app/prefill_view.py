@@ -15,6 +15,12 @@ else:  # beside its modules as the root of a Space
 TEXT_STYLE = "white-space: pre-wrap; font-family: ui-monospace, monospace; line-height: 1.7; color: #111827"
 
 
+def _chunk_text(tokenizer, ids: list[int], start: int, end: int) -> str:
+    """The text chunk `[start, end)` adds to the decoded prompt (decoding chunks alone would drop the spaces and
+    split characters at their boundaries)."""
+    return tokenizer.decode(ids[:end])[len(tokenizer.decode(ids[:start])) :]
+
+
 def kept_chunks_html(tokenizer, input_ids, selection) -> str:
     """HTML of the prompt `(1, L)` cut into `selection.spans` (a `PromptSelection`), kept chunks highlighted."""
     ids = input_ids[0].tolist()
@@ -31,7 +37,7 @@ def kept_chunks_html(tokenizer, input_ids, selection) -> str:
         spans.append(
             f'<span class="d3d-chunk" data-kept="{str(kept).lower()}" data-score="{score:.4f}" '
             f'title="chunk {index}, tokens {start}-{end}, score {score:.4f}" style="{style}">'
-            f"{html.escape(tokenizer.decode(ids[start:end]))}</span>"
+            f"{html.escape(_chunk_text(tokenizer, ids, start, end))}</span>"
         )
     summary = (
         f'<div class="d3d-prefill-summary">kept {len(selection.kept)} of {len(selection.spans)} chunks: '

@@ -1,5 +1,8 @@
 """Selective prefill: the one-MASK probe, chunk selection, and decoding on the kept chunks with a full-prompt drafter."""
 
+import html
+import re
+
 import pytest
 import torch
 
@@ -201,6 +204,8 @@ def test_the_space_view_marks_exactly_the_kept_chunks(models):
     assert page.count('class="d3d-chunk"') == len(selection.spans)
     assert page.count('data-kept="true"') == len(selection.kept)
     assert f"{selection.kept_length} of 60 tokens" in page
+    chunk_texts = [html.unescape(text) for text in re.findall(r'class="d3d-chunk"[^>]*>(.*?)</span>', page, re.S)]
+    assert "".join(chunk_texts) == word_tokenizer().decode(ids[0].tolist())  # no word run together at a boundary
 
 
 def test_sampling_on_the_reduced_prompt_runs_and_records_its_rounds(models):
