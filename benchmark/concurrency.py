@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from modeling_d3d.speculative_d3d import synchronize
 
-from .report import write_report
+from .report import percent, pyplot, write_report
 
 
 def left_pad(prompts: list[torch.Tensor], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,22 +110,18 @@ def markdown(results: dict) -> str:
     ]
     for row in results["levels"]:
         sync, asynchronous = row["sync"], row["async"]
-        hits = "-" if asynchronous["hit_rate"] is None else f"{100 * asynchronous['hit_rate']:.1f}%"
         lossless = "yes" if sync["lossless"] and asynchronous["lossless"] else "NO"
         lines.append(
             f"| {row['concurrency']} | {row['baseline_tokens_per_second']:.1f} | {sync['tokens_per_second']:.1f} | "
             f"{sync['speedup']:.2f}x | {asynchronous['tokens_per_second']:.1f} | {asynchronous['speedup']:.2f}x | "
-            f"{sync['tau']:.2f} | {hits} | {lossless} |"
+            f"{sync['tau']:.2f} | {percent(asynchronous['hit_rate'])} | {lossless} |"
         )
     return "\n".join(lines) + "\n"
 
 
 def plot(results: dict, path: Path) -> None:
     """Aggregate tokens/s of each method against concurrency, speedups on a second axis."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     levels = [row["concurrency"] for row in results["levels"]]
     figure, axis = plt.subplots(figsize=(7, 4))

@@ -5,7 +5,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 
-def _percent(value: float | None) -> str:
+def pyplot():
+    """`matplotlib.pyplot` on the file-only Agg backend (no display; imported when a plot is drawn)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def percent(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
 
@@ -32,13 +42,13 @@ def markdown(results: dict) -> str:
         for row in prompt_set["methods"]:
             lines.append(
                 f"| {row['method']} | {row['tokens_per_second']:.1f} | {row['speedup']:.2f}x | {row['tau']:.2f} | "
-                f"{_percent(row['hit_rate'])} | {_identical(row, prompt_set['prompts'])} | {_times(row['ideal_speedup'])} |"
+                f"{percent(row['hit_rate'])} | {_identical(row, prompt_set['prompts'])} | {_times(row['ideal_speedup'])} |"
             )
         lines.append("")
     lines += ["### D3D async budget sweep", "", "| C | F | budget (tokens) | tok/s | τ | cache hits |", "|---|---|---|---|---|---|"]
     for row in results["sweep"]:
         lines.append(f"| {row['coverage']} | {row['fanout']} | {row['budget']} | {row['tokens_per_second']:.1f} | "
-                     f"{row['tau']:.2f} | {_percent(row['hit_rate'])} |")
+                     f"{row['tau']:.2f} | {percent(row['hit_rate'])} |")
     lines.append(f"\nTarget forward: t(1) = {1000 * results['t1_seconds']:.2f} ms, t(B={results['block_size']}) = "
                  f"{1000 * results['tb_seconds']:.2f} ms over a 256-token cached prefix. Measured on: "
                  f"{results.get('hardware', 'hardware not recorded')}.")
@@ -47,10 +57,7 @@ def markdown(results: dict) -> str:
 
 def plot(results: dict, path: Path) -> None:
     """Speedup over the target alone, one bar group per prompt set."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     sets = list(results["prompt_sets"])
     methods = [row["method"] for row in results["prompt_sets"][sets[0]]["methods"]]
@@ -98,7 +105,7 @@ def prefill_markdown(results: dict) -> str:
     ]
     for row in results["settings"]:
         lines.append(
-            f"| {row['setting']} | {row['score']:.2f} | {_percent(row['answer_kept'])} | {_percent(row['kept_fraction'])} | "
+            f"| {row['setting']} | {row['score']:.2f} | {percent(row['answer_kept'])} | {percent(row['kept_fraction'])} | "
             f"{1000 * row['ttft_seconds']:.0f} ms | {row['decode_tokens_per_second']:.1f} | {_times(row['ttft_speedup'])} | "
             f"{_times(row['decode_speedup'])} | {_times(row['e2e_speedup'])} | {row['tau']:.2f} | "
             f"{'yes' if row['matches_target'] else 'NO'} |"
@@ -108,10 +115,7 @@ def prefill_markdown(results: dict) -> str:
 
 def prefill_plot(results: dict, path: Path) -> None:
     """TTFT, decode and end-to-end speedups per setting (bars) and the task score (line, right axis)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = results["settings"]
     figure, axis = plt.subplots(figsize=(9, 4))
@@ -139,4 +143,4 @@ def write_prefill(results: dict, output_dir: Path) -> str:
     return write_report(results, output_dir, "prefill", prefill_markdown, prefill_plot)
 
 
-__all__ = ["markdown", "plot", "prefill_markdown", "prefill_plot", "write", "write_prefill", "write_report"]
+__all__ = ["markdown", "percent", "pyplot", "plot", "prefill_markdown", "prefill_plot", "write", "write_prefill", "write_report"]

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
+from transformers import AutoConfig
 
 from benchmark.report import markdown
 from trainer.provenance import DrafterProvenance
@@ -67,8 +68,6 @@ def build_model_card(folder: str | Path, repo: str, bench: dict | None = None, t
 
     target: the target's Hub id for the usage snippet (default: the one recorded at training time).
     """
-    from transformers import AutoConfig
-
     config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
     provenance = DrafterProvenance.load(folder)
     recorded_target = provenance.target if provenance else None

@@ -15,6 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from benchmark.measure import MethodRun, acceptance_length, decode_one
+from benchmark.report import pyplot
 
 from .d3d_trainer import D3DTrainer, D3DTrainingArguments
 
@@ -99,10 +100,7 @@ def _record(target, drafter, prompts, max_new_tokens, path: Path, removed: int |
 
 def write_report(stages: list[PruningStage], chosen: PruningStage, output: Path) -> None:
     """`pruning.json`, `pruning.md` (a table of depth, τ, speedup) and `pruning.png`."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     (output / "pruning.json").write_text(json.dumps({"stages": [asdict(s) for s in stages], "chosen": chosen.depth}, indent=2))
     lines = ["| depth | removed layer | τ | tok/s | speedup |", "|---|---|---|---|---|"]
