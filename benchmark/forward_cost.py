@@ -18,6 +18,7 @@ import torch
 from transformers import LogitsProcessorList, Qwen3Config, Qwen3ForCausalLM
 from transformers.cache_utils import DynamicCache
 
+from cli.dtype import DtypeChoice, add_argument, choose_dtype
 from modeling_d3d import D3DForBlockDiffusion
 from modeling_d3d.speculative_d3d import synchronize
 
@@ -87,8 +88,8 @@ def drafter_pass_seconds(drafter, prefix: torch.Tensor, budgets: list[tuple[int,
 
 
 def measure(preset: str, device: str, drafter_device: str, prefix_length: int, block_size: int,
-            budgets: list[tuple[int, int]], repeats: int) -> dict:
-    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+            budgets: list[tuple[int, int]], repeats: int, choice: DtypeChoice) -> dict:
+    dtype = choice.dtype
     shape = PRESETS[preset]
     target = random_model(shape, None, device, dtype)
     drafter_shape, drafter_layers = DRAFTER_SHAPE[preset]
@@ -96,7 +97,8 @@ def measure(preset: str, device: str, drafter_device: str, prefix_length: int, b
     drafter = D3DForBlockDiffusion.from_backbone(backbone, block_size=block_size).to(drafter_device, dtype).eval()
     prefix = torch.randint(0, shape["vocab_size"] - 1, (1, prefix_length), generator=torch.Generator().manual_seed(0))
     result = {
-        "preset": preset, "device": torch.cuda.get_device_name(device) if dtype == torch.bfloat16 else "cpu",
+        "preset": preset, "device": torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "cpu",
+        "dtype": choice.description,
         "prefix_length": prefix_length, "block_size": block_size,
         "target_seconds": {n: target_pass_seconds(target, prefix.to(device), n, repeats) for n in (1, block_size)},
         "drafter_seconds": drafter_pass_seconds(drafter, prefix.to(drafter_device), budgets, repeats),
@@ -110,7 +112,7 @@ def markdown(result: dict) -> str:
     block_size = result["block_size"]
     verify = result["target_seconds"][block_size]
     lines = [
-        f"{result['preset']} on {result['device']}, prefix {result['prefix_length']} tokens, B={block_size}: "
+        f"{result['preset']} on {result['device']} in {result['dtype']}, prefix {result['prefix_length']} tokens, B={block_size}: "
         f"target t(1) = {result['target_seconds'][1] * 1e3:.2f} ms, t(B) = {verify * 1e3:.2f} ms",
         "",
         "| drafter pass | tokens | ms | / target t(B) |",
@@ -133,10 +135,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budgets", default="1x0,4x1,8x2,12x2,16x3", help="C×F grid, e.g. 4x1,12x2")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--output", default=None, help="write the result as JSON here")
+    add_argument(parser)
     args = parser.parse_args(argv)
     budgets = [tuple(int(v) for v in item.split("x")) for item in args.budgets.split(",")]
+    choice = choose_dtype(args.dtype, args.device)
+    print(choice)
     result = measure(args.preset, args.device, args.drafter_device or args.device, args.prefix_length,
-                     args.block_size, budgets, args.repeats)
+                     args.block_size, budgets, args.repeats, choice)
     print(markdown(result))
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=1))

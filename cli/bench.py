@@ -11,6 +11,7 @@ from benchmark.bench import benchmark
 from benchmark.prompts import encode_prompt
 from modeling_d3d import D3DForBlockDiffusion
 
+from . import dtype
 from .loading import load_target, read_prompts
 
 
@@ -44,14 +45,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CxF: coverage x fanout of asynchronous batched drafting with --concurrency (default 4x1)")
     parser.add_argument("--output", default=None,
                         help="folder for bench.json, bench.md, bench.png (concurrency.* with --concurrency)")
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                        help="auto: bfloat16 on GPUs that run it, float32 elsewhere. Token identity with the target "
-                             "holds exactly in float32; in bfloat16, verifying several tokens in one pass rounds "
-                             "differently from one-token steps, so near-ties can flip (for every speculative method)")
+    dtype.add_argument(parser, ". Token identity with the target holds exactly in float32; in bfloat16, verifying "
+                               "several tokens in one pass rounds differently from one-token steps, so near-ties can "
+                               "flip (for every speculative method)")
 
 
 def run(args: argparse.Namespace) -> int:
-    target, tokenizer = load_target(args.target, dtype=None if args.dtype == "auto" else getattr(torch, args.dtype))
+    choice = dtype.choose_dtype(args.dtype)
+    print(choice)
+    target, tokenizer = load_target(args.target, choice.dtype)
     drafter = D3DForBlockDiffusion.from_pretrained(args.drafter, dtype=target.dtype).to(target.device).eval()
     drafter.check_compatibility(target, tokenizer)
     assistant = load_target(args.assistant, dtype=target.dtype)[0].to(target.device) if args.assistant else None
@@ -60,21 +62,24 @@ def run(args: argparse.Namespace) -> int:
         for name in args.prompts.split(",")
     }
     if args.concurrency:
-        return run_concurrency(target, drafter, sets, args)
-    results = benchmark(target, drafter, sets, args.max_new_tokens, assistant, parse_grid(args.sweep))
+        return run_concurrency(target, drafter, sets, args, choice)
+    results = {"dtype": choice.description,
+               **benchmark(target, drafter, sets, args.max_new_tokens, assistant, parse_grid(args.sweep))}
     table = report.write(results, Path(args.output)) if args.output else report.markdown(results)
     print(table)
     lossless = all(row["lossless"] for s in results["prompt_sets"].values() for row in s["methods"])
     return 0 if lossless else 1
 
 
-def run_concurrency(target, drafter, sets: dict[str, list[torch.Tensor]], args: argparse.Namespace) -> int:
+def run_concurrency(target, drafter, sets: dict[str, list[torch.Tensor]], args: argparse.Namespace,
+                    choice: dtype.DtypeChoice) -> int:
     """The concurrency benchmark on all prompts of all sets together; 0 if every D3D row equals the baseline's."""
     levels = [int(level) for level in args.concurrency.split(",")]
     prompts = [prompt for prompts in sets.values() for prompt in prompts]
     (coverage, fanout), = parse_grid(args.async_budget)
     results = concurrency.concurrency_benchmark(target, drafter, prompts, levels, args.max_new_tokens, coverage, fanout)
     results["prompt_sets"] = list(sets)
+    results["dtype"] = choice.description
     table = concurrency.write(results, Path(args.output)) if args.output else concurrency.markdown(results)
     print(table)
     return 0 if all(row[name]["lossless"] for row in results["levels"] for name in ("sync", "async")) else 1

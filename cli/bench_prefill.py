@@ -13,6 +13,7 @@ from benchmark.long_context import evaluate_selective_prefill
 from modeling_d3d import D3DForBlockDiffusion
 from modeling_d3d.prefill_d3d import DEFAULT_CHUNK_SIZE
 
+from . import dtype
 from .loading import load_target
 
 
@@ -26,17 +27,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default=None, help="folder for prefill.json, prefill.md, prefill.png")
+    dtype.add_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    target, tokenizer = load_target(args.target)
+    choice = dtype.choose_dtype(args.dtype)
+    print(choice)
+    target, tokenizer = load_target(args.target, choice.dtype)
     drafter = D3DForBlockDiffusion.from_pretrained(args.drafter, dtype=target.dtype).to(target.device).eval()
     drafter.check_compatibility(target, tokenizer)
     retentions = tuple(float(value) for value in args.retentions.split(","))
-    results = evaluate_selective_prefill(
+    results = {"dtype": choice.description, **evaluate_selective_prefill(
         target, drafter, tokenizer, args.num_examples, args.prompt_tokens, args.max_new_tokens, retentions,
         args.chunk_size, args.seed,
-    )
+    )}
     table = report.write_prefill(results, Path(args.output)) if args.output else report.prefill_markdown(results)
     print(table)
     return 0 if all(row["matches_target"] for row in results["settings"]) else 1

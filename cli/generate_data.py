@@ -4,6 +4,7 @@ import argparse
 
 from trainer.data import generate_responses
 
+from . import dtype
 from .loading import load_target, read_prompts
 
 
@@ -16,10 +17,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sample", action="store_true", help="sample with the target's recommended settings (default greedy)")
     parser.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     parser.add_argument("--seed", type=int, default=0)
+    dtype.add_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    target, tokenizer = load_target(args.target)
+    choice = dtype.choose_dtype(args.dtype)
+    print(choice)
+    target, tokenizer = load_target(args.target, choice.dtype)
     prompts = read_prompts(args.prompts)[: args.limit]
     dataset = generate_responses(
         target, tokenizer, prompts, args.output, args.batch_size, args.max_new_tokens, args.sample, args.seed

@@ -7,15 +7,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
-def default_dtype() -> torch.dtype:
-    """bfloat16 where the hardware runs it natively (CUDA with bf16), float32 elsewhere."""
-    return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
-
-
-def load_target(path: str, device_map: str | None = None, dtype: torch.dtype | None = None):
-    """A target causal LM and its tokenizer from a folder or Hub id (dtype: default `default_dtype()`)."""
+def load_target(path: str, dtype: torch.dtype, device_map: str | None = None):
+    """A target causal LM in `dtype` (see `cli.dtype.choose_dtype`) and its tokenizer from a folder or Hub id."""
     device_map = device_map or ("auto" if torch.cuda.is_available() else None)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or default_dtype(), device_map=device_map).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map).eval()
     return model, AutoTokenizer.from_pretrained(path)
 
 

@@ -10,6 +10,7 @@ from trainer.data import load_responses
 from trainer.provenance import record_pruning
 from trainer.pruning import prune
 
+from . import dtype
 from .loading import load_target
 from .train import add_recipe_arguments, recipe_arguments
 
@@ -28,14 +29,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    target, tokenizer = load_target(args.target)
+    choice = dtype.choose_dtype(args.dtype)
+    print(choice)
+    target, tokenizer = load_target(args.target, choice.dtype)
     drafter = D3DForBlockDiffusion.from_pretrained(args.drafter).to(target.device)
     data = load_responses(args.data)
     dev = min(args.dev_size, len(data) // 4)
     prompts = [torch.tensor([ids]) for ids in data[len(data) - 2 * dev :]["prompt"]]
     train = data.select(range(len(data) - 2 * dev))
     args.epochs = 1.0
-    recovery = recipe_arguments(args, args.output, args.recovery_steps)
+    recovery = recipe_arguments(args, args.output, args.recovery_steps, choice)
     stages = prune(
         drafter, target, train, prompts[:dev], prompts[dev:], args.output, recovery,
         args.min_layers, args.min_tau_fraction, args.max_new_tokens,

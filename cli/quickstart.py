@@ -6,14 +6,17 @@ from pathlib import Path
 from benchmark.report import markdown
 from quickstart.pipeline import MICRO, QuickstartSizes, run_quickstart
 
+from . import dtype
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", default="d3d-output", help="output folder (a rerun reuses finished stages)")
     parser.add_argument("--micro", action="store_true", help="tiny sizes: minutes, for tests")
+    dtype.add_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    results = run_quickstart(Path(args.output), MICRO if args.micro else QuickstartSizes())
+    results = run_quickstart(Path(args.output), MICRO if args.micro else QuickstartSizes(), args.dtype)
     print(markdown(results))
     lossless = all(row["lossless"] for s in results["prompt_sets"].values() for row in s["methods"])
     return 0 if lossless else 1

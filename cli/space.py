@@ -7,11 +7,20 @@ d3d-output/drafter.
 
 import argparse
 
-from space_app.loading import add_arguments
+from space_app import loading
+
+from . import dtype
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    loading.add_arguments(parser)
+    dtype.add_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     from space_app.app import serve  # gradio comes with the `space` extra: imported only when serving
 
-    serve(args)
+    choice = dtype.choose_dtype(args.dtype, loading.devices(args)[0])
+    print(choice)
+    serve(args, choice.dtype)
     return 0

@@ -11,6 +11,7 @@ from trainer.d3d_trainer import D3DTrainer, D3DTrainingArguments
 from trainer.data import load_responses
 from trainer.provenance import DrafterProvenance
 
+from . import dtype
 from .loading import load_target
 
 
@@ -36,10 +37,13 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gamma", type=float, default=7.0, help="position-weight decay (DFlash's value for B=16)")
     parser.add_argument("--ar-weight", type=float, default=1.0, help="lambda: weight of the AR loss")
     parser.add_argument("--seed", type=int, default=0)
+    dtype.add_argument(parser)
 
 
-def recipe_arguments(args: argparse.Namespace, output_dir: str, max_steps: int) -> D3DTrainingArguments:
-    """The paper's recipe: cosine lr to a floor, 1% warmup, no weight decay, clip 1, bf16 and 8-bit AdamW on GPUs."""
+def recipe_arguments(args: argparse.Namespace, output_dir: str, max_steps: int, choice: dtype.DtypeChoice
+                     ) -> D3DTrainingArguments:
+    """The paper's recipe: cosine lr to a floor, 1% warmup, no weight decay, clip 1, 8-bit AdamW on GPUs; bf16
+    autocast exactly when `choice` is bfloat16."""
     on_gpu = torch.cuda.is_available()
     eight_bit = on_gpu and importlib.util.find_spec("bitsandbytes") is not None
     training_args = D3DTrainingArguments(
@@ -53,7 +57,7 @@ def recipe_arguments(args: argparse.Namespace, output_dir: str, max_steps: int) 
         warmup_steps=0.01,
         weight_decay=0.0,
         max_grad_norm=1.0,
-        bf16=on_gpu and torch.cuda.is_bf16_supported(),
+        bf16=choice.bf16,
         optim="adamw_bnb_8bit" if eight_bit else "adamw_torch",
         num_anchors=args.num_anchors,
         gamma=args.gamma,
@@ -75,12 +79,15 @@ def _as_recorded(model: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    target, tokenizer = load_target(args.target, device_map="cpu" if not torch.cuda.is_available() else None)
+    choice = dtype.choose_dtype(args.dtype)
+    print(choice)
+    target, tokenizer = load_target(args.target, choice.dtype, device_map="cpu" if not torch.cuda.is_available() else None)
     drafter = D3DForBlockDiffusion.from_backbone(
         args.init or target, block_size=args.block_size, mask_token_id=args.mask_token_id, tokenizer=tokenizer
     )
     del target
-    trainer = D3DTrainer(drafter, recipe_arguments(args, args.output, args.max_steps), train_dataset=load_responses(args.data))
+    trainer = D3DTrainer(drafter, recipe_arguments(args, args.output, args.max_steps, choice),
+                         train_dataset=load_responses(args.data))
     result = trainer.train()
     if trainer.is_world_process_zero():
         trainer.accelerator.unwrap_model(trainer.model).save_pretrained(args.output)
@@ -92,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
             training_data=f"{len(trainer.train_dataset)} target-regenerated responses from `{args.data}`",
             recipe={"steps": result.global_step, "global batch": global_batch, "learning rate": args.learning_rate,
                     "loss": f"L_diff (gamma {args.gamma}) + {args.ar_weight} L_AR", "anchors per example": args.num_anchors},
+            dtype=choice.description,
         ).save(args.output)
         print(
             f"trained {result.global_step} steps on {trainer.accelerator.num_processes} process(es), global batch "

@@ -94,7 +94,8 @@ def build_model_card(folder: str | Path, repo: str, bench: dict | None = None, t
         recipe = ", ".join(f"{key} {value}" for key, value in provenance.recipe.items()) or "not recorded"
         training = (f"- initialised from: `{base_model or 'not recorded'}`\n"
                     f"- training data: {provenance.training_data or 'not recorded'}\n"
-                    f"- recipe: {recipe}\n")
+                    f"- recipe: {recipe}\n"
+                    f"- training dtype: {provenance.dtype or 'not recorded'}\n")
     benchmark = ""
     if bench:
         benchmark = (f"## Benchmark\n\nMeasured with `d3d bench` on {bench.get('hardware', 'hardware not recorded')}, "

@@ -15,6 +15,7 @@ from transformers import AutoTokenizer, Qwen3ForCausalLM
 
 from benchmark import report
 from benchmark.bench import benchmark
+from cli.dtype import DtypeChoice, choose_dtype
 from hub_upload.model_card import write_model_card
 from modeling_d3d import D3DForBlockDiffusion
 from trainer.d3d_trainer import D3DTrainer, D3DTrainingArguments
@@ -23,7 +24,7 @@ from trainer.provenance import DrafterProvenance, record_pruning
 from trainer.pruning import prune
 
 from .corpus import function_prompts, humaneval_prompts, pydoc_prompts, training_texts
-from .pretrain import causal_lm_config, chunked_dataset, perplexity, pretrain, train_tokenizer
+from .pretrain import causal_lm_config, chunked_dataset, perplexity, pretrain, pretraining_arguments, train_tokenizer
 
 
 @dataclass
@@ -75,32 +76,36 @@ def _done(folder: Path) -> bool:
     return (folder / "config.json").exists()
 
 
-def _causal_lm(folder: Path, size: ModelSize, tokenizer, vocab_size: int, dataset: Dataset) -> None:
+def _causal_lm(folder: Path, size: ModelSize, tokenizer, vocab_size: int, dataset: Dataset, choice: DtypeChoice) -> None:
     """Train a causal LM from scratch on `dataset` (its first rows held out for perplexity) and save it."""
     config = causal_lm_config(tokenizer, vocab_size, size.hidden, size.layers, size.heads, size.kv_heads, size.mlp)
     held_out = dataset.select(range(min(64, len(dataset) // 10)))
-    model = pretrain(config, dataset.select(range(len(held_out), len(dataset))), folder, size.steps, size.batch_size,
-                     size.learning_rate)
+    args = pretraining_arguments(folder, size.steps, size.batch_size, size.learning_rate, choice.bf16)
+    model = pretrain(config, dataset.select(range(len(held_out), len(dataset))), args)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     (folder / "perplexity.json").write_text(json.dumps({"held_out_perplexity": perplexity(model, held_out)}))
     shutil.rmtree(folder / "checkpoints", ignore_errors=True)
 
 
-def _drafter_args(output_dir: Path, sizes: QuickstartSizes, steps: int) -> D3DTrainingArguments:
+def drafter_arguments(output_dir: Path, sizes: QuickstartSizes, steps: int, choice: DtypeChoice) -> D3DTrainingArguments:
+    """The drafter's (and pruning recovery's) training arguments; bf16 autocast exactly when `choice` is bfloat16."""
     return D3DTrainingArguments(
         output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=sizes.drafter_batch_size,
         learning_rate=sizes.drafter_learning_rate, lr_scheduler_type="cosine", warmup_steps=0.03, weight_decay=0.0,
         max_grad_norm=1.0, num_anchors=sizes.num_anchors, logging_steps=max(steps // 10, 1), save_strategy="no",
         report_to=[], seed=0, use_cpu=not torch.cuda.is_available(),
-        bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
+        bf16=choice.bf16,
     )
 
 
-def run_quickstart(output: Path, sizes: QuickstartSizes = QuickstartSizes()) -> dict:
-    """Run (or resume) every stage into `output`; returns the benchmark results (also in `bench.json`/`bench.md`)."""
+def run_quickstart(output: Path, sizes: QuickstartSizes = QuickstartSizes(), dtype: str = "auto") -> dict:
+    """Run (or resume) every stage into `output` in the dtype `choose_dtype(dtype)` picks (printed, and recorded in
+    `sizes.json`, `bench.json` and the drafter's provenance); returns the benchmark results (also in `bench.json`)."""
+    choice = choose_dtype(dtype)
+    print(choice)
     output.mkdir(parents=True, exist_ok=True)
-    (output / "sizes.json").write_text(json.dumps(asdict(sizes), indent=2))
+    (output / "sizes.json").write_text(json.dumps({"dtype": choice.description, **asdict(sizes)}, indent=2))
     texts = training_texts(sizes.corpus_bytes)
 
     if (output / "tokenizer" / "tokenizer.json").exists():
@@ -113,8 +118,8 @@ def run_quickstart(output: Path, sizes: QuickstartSizes = QuickstartSizes()) -> 
         dataset = chunked_dataset(tokenizer, texts, sizes.sequence_length).shuffle(seed=0)
         for name, size in models.items():
             if not _done(output / name):
-                _causal_lm(output / name, size, tokenizer, sizes.vocab_size, dataset)
-    target, assistant = (Qwen3ForCausalLM.from_pretrained(output / name).eval() for name in models)
+                _causal_lm(output / name, size, tokenizer, sizes.vocab_size, dataset, choice)
+    target, assistant = (Qwen3ForCausalLM.from_pretrained(output / name, dtype=choice.dtype).eval() for name in models)
 
     prompts = function_prompts(sizes.drafter_prompts)
     data = generate_responses(target, tokenizer, prompts, output / "data", batch_size=16,
@@ -125,9 +130,10 @@ def run_quickstart(output: Path, sizes: QuickstartSizes = QuickstartSizes()) -> 
     trained = output / "drafter-trained"
     if _done(trained):
         drafter = D3DForBlockDiffusion.from_pretrained(trained)
-    else:
-        drafter = D3DForBlockDiffusion.from_backbone(target, block_size=sizes.block_size, tokenizer=tokenizer)
-        D3DTrainer(drafter, _drafter_args(trained, sizes, sizes.drafter_steps), train_dataset=train_data).train()
+    else:  # float32 weights, trained under bf16 autocast when the choice is bfloat16
+        drafter = D3DForBlockDiffusion.from_backbone(str(output / "target"), block_size=sizes.block_size,
+                                                     tokenizer=tokenizer, dtype=torch.float32)
+        D3DTrainer(drafter, drafter_arguments(trained, sizes, sizes.drafter_steps, choice), train_dataset=train_data).train()
         drafter.save_pretrained(trained)
         DrafterProvenance(
             target=str((output / "target").resolve()), base_model=str((output / "target").resolve()),
@@ -135,6 +141,7 @@ def run_quickstart(output: Path, sizes: QuickstartSizes = QuickstartSizes()) -> 
                            "(the embedded quickstart corpus)"),
             recipe={"steps": sizes.drafter_steps, "batch": sizes.drafter_batch_size,
                     "learning rate": sizes.drafter_learning_rate, "loss": "L_diff + L_AR"},
+            dtype=choice.description,
         ).save(trained)
     drafter.eval()
 
@@ -143,21 +150,21 @@ def run_quickstart(output: Path, sizes: QuickstartSizes = QuickstartSizes()) -> 
         pruning = output / "pruning"
         depth = drafter.config.num_hidden_layers
         prune(drafter, target, train_data, dev_prompts[: sizes.dev_prompts], dev_prompts[sizes.dev_prompts :], pruning,
-              _drafter_args(pruning, sizes, sizes.recovery_steps), min_layers=max(depth - sizes.prune_stages, 1),
+              drafter_arguments(pruning, sizes, sizes.recovery_steps, choice), min_layers=max(depth - sizes.prune_stages, 1),
               min_tau_fraction=0.0, max_new_tokens=sizes.response_tokens)
         shutil.copytree(pruning / "drafter", final)
         tokenizer.save_pretrained(final)
         record_pruning(trained, final)
-    drafter = D3DForBlockDiffusion.from_pretrained(final).eval()
+    drafter = D3DForBlockDiffusion.from_pretrained(final, dtype=choice.dtype).eval()
 
     prompt_sets = {
         "humaneval": [torch.tensor([tokenizer(p)["input_ids"]]) for p in humaneval_prompts()[: sizes.bench_prompts]],
         "pydoc": [torch.tensor([tokenizer(p)["input_ids"]]) for p in pydoc_prompts()[: sizes.bench_pydoc_prompts]],
     }
-    results = benchmark(target, drafter, prompt_sets, sizes.bench_new_tokens, assistant)
+    results = {"dtype": choice.description, **benchmark(target, drafter, prompt_sets, sizes.bench_new_tokens, assistant)}
     report.write(results, output)
     write_model_card(final, repo=str(final), bench=results)
     return results
 
 
-__all__ = ["MICRO", "ModelSize", "QuickstartSizes", "run_quickstart"]
+__all__ = ["MICRO", "ModelSize", "QuickstartSizes", "drafter_arguments", "run_quickstart"]

@@ -57,13 +57,10 @@ def _with_labels(rows: list[dict]) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "labels": input_ids.clone()}
 
 
-def pretrain(
-    config: Qwen3Config, dataset: Dataset, output_dir: Path, steps: int, batch_size: int, learning_rate: float, seed: int = 0
-) -> Qwen3ForCausalLM:
-    """Train a Qwen3 causal LM from scratch with `transformers.Trainer` (bf16 autocast where the CPU or GPU has it)."""
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
-    args = TrainingArguments(
+def pretraining_arguments(output_dir: Path, steps: int, batch_size: int, learning_rate: float, bf16: bool,
+                          seed: int = 0) -> TrainingArguments:
+    """Cosine lr, 5% warmup, weight decay 0.1, clip 1; bf16 autocast exactly when `bf16` (see `cli.dtype`)."""
+    return TrainingArguments(
         output_dir=str(output_dir / "checkpoints"),
         max_steps=steps,
         per_device_train_batch_size=batch_size,
@@ -72,7 +69,7 @@ def pretrain(
         warmup_steps=0.05,
         weight_decay=0.1,
         max_grad_norm=1.0,
-        bf16=True,
+        bf16=bf16,
         logging_steps=max(steps // 10, 1),
         save_strategy="no",
         report_to=[],
@@ -80,6 +77,12 @@ def pretrain(
         use_cpu=not torch.cuda.is_available(),
         dataloader_drop_last=True,
     )
+
+
+def pretrain(config: Qwen3Config, dataset: Dataset, args: TrainingArguments) -> Qwen3ForCausalLM:
+    """Train a Qwen3 causal LM from scratch with `transformers.Trainer` under `args` (`pretraining_arguments`)."""
+    torch.manual_seed(args.seed)
+    model = Qwen3ForCausalLM(config)
     trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=_with_labels)
     trainer.train()
     trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)  # no autocast forward after training
@@ -96,4 +99,5 @@ def perplexity(model, dataset: Dataset, batch_size: int = 8) -> float:
     return float(torch.tensor(losses).mean().exp())
 
 
-__all__ = ["END_OF_TEXT", "causal_lm_config", "chunked_dataset", "perplexity", "pretrain", "train_tokenizer"]
+__all__ = ["END_OF_TEXT", "causal_lm_config", "chunked_dataset", "perplexity", "pretrain", "pretraining_arguments",
+           "train_tokenizer"]

@@ -8,6 +8,7 @@ file from the folder's root.
 import argparse
 
 import gradio as gr
+import torch
 
 if __package__:
     from .decoding import MAX_FANOUT, MAX_NEW_TOKENS, MAX_TEMPERATURE, Settings, compare_live, prepare_request, whole_number
@@ -104,11 +105,12 @@ def build_demo(target, drafter, tokenizer, concurrency_limit: int = 2) -> gr.Blo
     return demo
 
 
-def serve(args: argparse.Namespace) -> None:
-    """Load the models named by `args` (or the environment, or the quickstart folder) and serve the page."""
+def serve(args: argparse.Namespace, dtype: torch.dtype | None = None) -> None:
+    """Load the models named by `args` (or the environment, or the quickstart folder) in `dtype` (see `load_models`)
+    and serve the page."""
     target_source, drafter_source = model_sources(args)
     target_device, drafter_device = devices(args)
-    target, drafter, tokenizer = load_models(target_source, drafter_source, target_device, drafter_device)
+    target, drafter, tokenizer = load_models(target_source, drafter_source, target_device, drafter_device, dtype)
     demo = build_demo(target, drafter, tokenizer, concurrency_limit=args.concurrency)
     demo.queue().launch(server_name=args.host, server_port=args.port)
 

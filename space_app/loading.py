@@ -36,11 +36,16 @@ def devices(args: argparse.Namespace) -> tuple[str, str]:
     return target, drafter
 
 
-def load_models(target_source: str, drafter_source: str, target_device: str = "cpu", drafter_device: str = "cpu"):
+def load_models(target_source: str, drafter_source: str, target_device: str = "cpu", drafter_device: str = "cpu",
+                dtype: torch.dtype | None = None):
     """(target, drafter, tokenizer): the target causal LM and its tokenizer, the drafter through its remote code
-    (`trust_remote_code`, as a Hub user loads it), checked to fit the target."""
-    cuda_bf16 = target_device.startswith("cuda") and torch.cuda.is_bf16_supported()
-    dtype = torch.bfloat16 if cuda_bf16 else torch.float32
+    (`trust_remote_code`, as a Hub user loads it), checked to fit the target.
+
+    dtype: `d3d space` passes `cli.dtype.choose_dtype`'s; as a Space's root (the project not importable) None
+    means bfloat16 on CUDA with native bf16, else float32 (the same rule without the CPU bf16 check)."""
+    if dtype is None:
+        cuda_bf16 = target_device.startswith("cuda") and torch.cuda.is_bf16_supported()
+        dtype = torch.bfloat16 if cuda_bf16 else torch.float32
     target = AutoModelForCausalLM.from_pretrained(target_source, dtype=dtype).to(target_device).eval()
     tokenizer = AutoTokenizer.from_pretrained(target_source)
     drafter = AutoModel.from_pretrained(drafter_source, trust_remote_code=True, dtype=dtype).to(drafter_device).eval()

@@ -24,7 +24,7 @@ def test_bench_command_writes_table_json_and_plot(tmp_path, capsys):
     methods = results["prompt_sets"]["prompts"]["methods"]
     assert [m["method"] for m in methods][:2] == ["target alone", "HF assisted, AR assistant"]
     assert all(m["lossless"] and m["identical_outputs"] == 3 for m in methods) and methods[0]["speedup"] == 1.0
-    assert results["hardware"]
+    assert results["hardware"] and results["dtype"] == "float32 (--dtype)" and "dtype: float32 (--dtype)" in table
     assert [(r["coverage"], r["fanout"]) for r in results["sweep"]] == [(1, 0), (2, 1)]
     assert (tmp_path / "bench" / "bench.png").stat().st_size > 0
 

@@ -5,6 +5,7 @@ import re
 
 import pytest
 
+from cli.dtype import choose_dtype
 from conftest import run_without_project
 from quickstart.corpus import function_prompts, humaneval_prompts, pydoc_prompts, split_topics, training_texts
 from quickstart.pipeline import MICRO, run_quickstart
@@ -22,6 +23,14 @@ def test_every_artifact_is_written(output):
                  "drafter/modeling_d3d.py", "drafter/tokenizer.json", "bench.json", "bench.md", "bench.png",
                  "pruning/pruning.md", "data/dataset"):
         assert (output / name).exists(), name
+
+
+def test_the_chosen_dtype_is_recorded_in_the_artifacts(output):
+    chosen = choose_dtype().description
+    assert json.loads((output / "sizes.json").read_text())["dtype"] == chosen
+    assert json.loads((output / "bench.json").read_text())["dtype"] == chosen
+    assert json.loads((output / "drafter" / "d3d_training.json").read_text())["dtype"] == chosen
+    assert f"- training dtype: {chosen}" in (output / "drafter" / "README.md").read_text()
 
 
 def test_every_benchmarked_method_was_lossless(output):

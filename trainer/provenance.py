@@ -10,7 +10,8 @@ PROVENANCE = "d3d_training.json"
 @dataclass
 class DrafterProvenance:
     """target: the model it drafts for; base_model: what its weights were initialised from; training_data and
-    recipe: what it learned from and how (None: not recorded); layers_before_pruning / pruning_stages: acceptance-guided pruning."""
+    recipe: what it learned from and how (None: not recorded); layers_before_pruning / pruning_stages: acceptance-guided pruning;
+    dtype: what it was trained in and why, e.g. `"float32 (cpu without native bf16)"`."""
 
     target: str | None
     base_model: str | None
@@ -18,6 +19,7 @@ class DrafterProvenance:
     recipe: dict = field(default_factory=dict)
     layers_before_pruning: int | None = None
     pruning_stages: int = 0
+    dtype: str | None = None
 
     def save(self, folder: str | Path) -> None:
         (Path(folder) / PROVENANCE).write_text(json.dumps(asdict(self), indent=1))
