@@ -102,8 +102,11 @@ def generate_responses(
 
 
 def load_responses(output_dir: str | os.PathLike) -> Dataset:
-    """The dataset a finished `generate_responses` run saved."""
-    return load_from_disk(str(Path(output_dir) / DATASET))
+    """The dataset a finished `generate_responses` run saved (`FileNotFoundError` if there is none)."""
+    path = Path(output_dir) / DATASET
+    if not path.is_dir():
+        raise FileNotFoundError(f"no dataset in {output_dir}: run `d3d generate-data --output {output_dir}` first")
+    return load_from_disk(str(path))
 
 
 __all__ = ["encode_prompt", "generate_responses", "load_responses", "read_records"]
