@@ -16,18 +16,47 @@ from .loading import load_target, read_prompts
 
 
 def parse_grid(text: str | None) -> list[tuple[int, int]] | None:
-    """`"4x2,12x2"` -> `[(4, 2), (12, 2)]` (coverage x fanout)."""
+    """`"4x2,12x2"` -> `[(4, 2), (12, 2)]` (coverage x fanout); `ValueError` for anything else."""
     if not text:
         return None
-    return [tuple(int(part) for part in item.split("x")) for item in text.split(",")]
+    items = [item.split("x") for item in text.split(",")]
+    if not all(len(parts) == 2 and all(part.strip().isdigit() for part in parts) for parts in items):
+        raise ValueError(f"{text!r} is not a list of CxF budgets such as 4x2,12x1")
+    return [(int(coverage), int(fanout)) for coverage, fanout in items]
+
+
+def parse_levels(text: str) -> list[int]:
+    """`"1,4,8"` -> `[1, 4, 8]` (positive ints); `ValueError` for anything else."""
+    if not all(level.strip().isdigit() and int(level) > 0 for level in text.split(",")):
+        raise ValueError(f"--concurrency {text!r} is not a list of positive ints such as 1,4,8")
+    return [int(level) for level in text.split(",")]
 
 
 def prompt_set(name: str) -> list[str]:
-    """`humaneval`, `pydoc` (the embedded sets) or a `.jsonl`/`.txt` file."""
+    """`humaneval`, `pydoc` (the embedded sets) or a `.jsonl`/`.txt` file; `ValueError` if none or empty."""
     from quickstart.corpus import humaneval_prompts, pydoc_prompts
 
     sets = {"humaneval": humaneval_prompts, "pydoc": pydoc_prompts}
-    return sets[name]() if name in sets else read_prompts(name)
+    if name in sets:
+        return sets[name]()
+    if not Path(name).is_file():
+        raise ValueError(f"--prompts {name!r} is neither humaneval, pydoc nor a file")
+    prompts = read_prompts(name)
+    if not prompts:
+        raise ValueError(f"--prompts {name!r} holds no prompts")
+    return prompts
+
+
+def check_arguments(args: argparse.Namespace) -> dict[str, list[str]]:
+    """Check the cheap inputs before any model loads; returns the prompt texts by set name."""
+    if args.num_prompts < 1 or args.max_new_tokens < 1:
+        raise ValueError("--num-prompts and --max-new-tokens must be >= 1")
+    parse_grid(args.sweep)
+    if args.concurrency:
+        parse_levels(args.concurrency)
+        if len(parse_grid(args.async_budget)) != 1:
+            raise ValueError(f"--async-budget {args.async_budget!r} must be one CxF budget")
+    return {Path(name).stem: prompt_set(name)[: args.num_prompts] for name in args.prompts.split(",")}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,16 +80,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    texts = check_arguments(args)
     choice = dtype.choose_dtype(args.dtype)
     print(choice)
     target, tokenizer = load_target(args.target, choice.dtype)
     drafter = D3DForBlockDiffusion.from_pretrained(args.drafter, dtype=target.dtype).to(target.device).eval()
     drafter.check_compatibility(target, tokenizer)
     assistant = load_target(args.assistant, dtype=target.dtype)[0].to(target.device) if args.assistant else None
-    sets = {
-        Path(name).stem: [torch.tensor([encode_prompt(tokenizer, text)]) for text in prompt_set(name)[: args.num_prompts]]
-        for name in args.prompts.split(",")
-    }
+    sets = {name: [torch.tensor([encode_prompt(tokenizer, text)]) for text in prompts] for name, prompts in texts.items()}
     if args.concurrency:
         return run_concurrency(target, drafter, sets, args, choice)
     results = {"dtype": choice.description,
@@ -74,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
 def run_concurrency(target, drafter, sets: dict[str, list[torch.Tensor]], args: argparse.Namespace,
                     choice: dtype.DtypeChoice) -> int:
     """The concurrency benchmark on all prompts of all sets together; 0 if every D3D row equals the baseline's."""
-    levels = [int(level) for level in args.concurrency.split(",")]
+    levels = parse_levels(args.concurrency)
     prompts = [prompt for prompts in sets.values() for prompt in prompts]
     (coverage, fanout), = parse_grid(args.async_budget)
     results = concurrency.concurrency_benchmark(target, drafter, prompts, levels, args.max_new_tokens, coverage, fanout)

@@ -21,10 +21,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    prompts = read_prompts(args.prompts)[: args.limit]  # a wrong --prompts fails before the target loads
+    if not prompts:
+        raise ValueError(f"--prompts {args.prompts} holds no prompts")
     choice = dtype.choose_dtype(args.dtype)
     print(choice)
     target, tokenizer = load_target(args.target, choice.dtype)
-    prompts = read_prompts(args.prompts)[: args.limit]
     dataset = generate_responses(
         target, tokenizer, prompts, args.output, args.batch_size, args.max_new_tokens, args.sample, args.seed
     )

@@ -1,12 +1,15 @@
 """Entry point of the `d3d` command: one subcommand per module of this package.
 
 Only the chosen command's module is imported, so `d3d bench` runs with the inference install alone (no training
-extras such as `datasets`).
+extras such as `datasets`). Errors from bad input (`USER_ERRORS`) print one line, `d3d COMMAND: error: MESSAGE`, and
+exit 2; `--debug` shows their traceback. Any other exception is a bug and keeps its traceback.
 """
 
 import argparse
 import importlib
 import sys
+
+from .errors import UserError
 
 COMMANDS = {
     "quickstart": ("quickstart", "the embedded default end to end: target, assistant, drafter, benchmark"),
@@ -21,6 +24,10 @@ COMMANDS = {
 }
 
 
+# Raised on bad input: files that are not there or unreadable, values out of range, `UserError`.
+USER_ERRORS = (UserError, ValueError, OSError)
+
+
 def command_module(name: str):
     return importlib.import_module(f".{COMMANDS[name][0]}", __package__)
 
@@ -28,6 +35,7 @@ def command_module(name: str):
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The `d3d` parser; only `command`'s own arguments are loaded (every command's, when it is None)."""
     parser = argparse.ArgumentParser(prog="d3d", description="D3D: decoupled diffusion drafting for speculative decoding")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an input error too")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, (_, help_text) in COMMANDS.items():
         if command is None or name == command:
@@ -42,7 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     chosen = next((arg for arg in argv if not arg.startswith("-")), None)
     args = build_parser(chosen if chosen in COMMANDS else None).parse_args(argv)
-    return command_module(args.command).run(args)
+    try:
+        return command_module(args.command).run(args)
+    except USER_ERRORS as error:
+        if args.debug:
+            raise
+        print(f"d3d {args.command}: error: {' '.join(str(error).split())}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -79,6 +79,7 @@ def _as_recorded(model: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    dataset = load_responses(args.data)  # a wrong --data fails before the target loads
     choice = dtype.choose_dtype(args.dtype)
     print(choice)
     target, tokenizer = load_target(args.target, choice.dtype, device_map="cpu" if not torch.cuda.is_available() else None)
@@ -86,8 +87,7 @@ def run(args: argparse.Namespace) -> int:
         args.init or target, block_size=args.block_size, mask_token_id=args.mask_token_id, tokenizer=tokenizer
     )
     del target
-    trainer = D3DTrainer(drafter, recipe_arguments(args, args.output, args.max_steps, choice),
-                         train_dataset=load_responses(args.data))
+    trainer = D3DTrainer(drafter, recipe_arguments(args, args.output, args.max_steps, choice), train_dataset=dataset)
     result = trainer.train()
     if trainer.is_world_process_zero():
         trainer.accelerator.unwrap_model(trainer.model).save_pretrained(args.output)

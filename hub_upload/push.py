@@ -1,24 +1,30 @@
 """Publishing a drafter folder to the Hugging Face Hub: weights, remote code, tokenizer and a model card.
 
 The files are staged in a temporary folder (the drafter folder is never modified), checked (`auto_map` points at
-remote-code files that are there, weights are there), and committed in one commit, which also deletes what an
-earlier push left in the repo and this one does not carry. The token comes from the usual
-`huggingface_hub` places (`HF_TOKEN`, `hf auth login`); it is never printed.
+remote-code files that are there, weights are there), and committed in one commit. Each push uploads a manifest,
+`d3d_push_manifest.json`, listing the files it wrote; the next push deletes only those of them it does not carry
+(stale weights, shards) and keeps every other file of the repo. A non-empty repo without a manifest (no `d3d push`
+made it) is refused unless `force=True`, which uploads beside its files and deletes none. The token comes from the
+usual `huggingface_hub` places (`HF_TOKEN`, `hf auth login`); it is never printed.
 """
 
 import json
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
-from huggingface_hub import HfApi, get_token
+from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, get_token
 from huggingface_hub.errors import HfHubHTTPError
 
 from .model_card import build_model_card
 
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
-# Training leftovers that do not belong in a published model repo.
-SKIPPED = ("d3d_training.json", "training_args.bin", "README.md")
+MANIFEST = "d3d_push_manifest.json"
+# Training leftovers that do not belong in a published model repo (and what staging writes itself).
+SKIPPED = ("d3d_training.json", "training_args.bin", "README.md", MANIFEST)
+# Files the Hub itself creates in a new repo: they do not make a repo someone else's.
+HUB_DEFAULTS = (".gitattributes",)
 
 
 class PushError(RuntimeError):
@@ -26,7 +32,9 @@ class PushError(RuntimeError):
 
 
 def check_drafter_folder(folder: Path) -> None:
-    """Raise `ValueError` unless `folder` holds a loadable `trust_remote_code` drafter."""
+    """Raise `ValueError` unless `folder` holds a loadable `trust_remote_code` drafter (`FileNotFoundError` if absent)."""
+    if not folder.is_dir():
+        raise FileNotFoundError(f"no such folder: {folder}")
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{folder} has no config.json: not a saved drafter folder")
@@ -43,39 +51,95 @@ def check_drafter_folder(folder: Path) -> None:
         raise ValueError(f"{folder} has no weights ({' or '.join(WEIGHTS)})")
 
 
+def read_manifest(text: str, where: str) -> set[str]:
+    """The files an earlier push (or dry run) wrote, from its manifest's text."""
+    try:
+        files = json.loads(text)["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise ValueError(f"{where} is not a {MANIFEST} that `d3d push` wrote: {error}") from error
+    return set(files)
+
+
+def clear_earlier_dry_run(folder: Path, destination: Path) -> None:
+    """Make `destination` ready for staging: absent, empty, or an earlier dry run's output, whose files (only those
+    its manifest lists) are removed. Anything else is refused, as is the drafter folder itself."""
+    if destination.resolve() == folder.resolve():
+        raise ValueError(f"the destination {destination} is the drafter folder itself: choose another folder")
+    if not destination.exists() or not any(destination.iterdir()):
+        return
+    manifest = destination / MANIFEST
+    if not manifest.is_file():
+        raise ValueError(f"{destination} is not empty and no earlier `d3d push --dry-run` wrote it (no {MANIFEST}): "
+                         "choose a new or empty folder")
+    for name in read_manifest(manifest.read_text(), str(manifest)) | {MANIFEST}:
+        (destination / name).unlink(missing_ok=True)
+
+
 def stage_drafter(folder: str | Path, repo_id: str, destination: str | Path, bench: dict | None = None,
                   target: str | None = None) -> Path:
-    """Copy what gets published from `folder` to `destination` and write the model card there; returns it."""
+    """Copy what gets published from `folder` to `destination` with the model card and the manifest; returns it.
+
+    `destination` must be new, empty, or an earlier staging's output (only the files that one wrote are replaced)."""
     folder, destination = Path(folder), Path(destination)
     check_drafter_folder(folder)
     card = build_model_card(folder, repo_id, bench, target)  # fails before anything is written
+    clear_earlier_dry_run(folder, destination)
     destination.mkdir(parents=True, exist_ok=True)
+    written = []
     for path in sorted(folder.iterdir()):
         if path.is_file() and not path.name.startswith(".") and path.name not in SKIPPED:
             shutil.copy2(path, destination / path.name)
+            written.append(path.name)
     card.save(destination / "README.md")
+    manifest = {"written_by": "d3d push", "repo_id": repo_id, "files": sorted([*written, "README.md"])}
+    (destination / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return destination
+
+
+def files_to_delete(api: HfApi, repo_id: str, staged: set[str], force: bool, say: Callable[[str], None]) -> list[str]:
+    """What an earlier push wrote to `repo_id` and this one (`staged`) does not carry; refuses a foreign repo
+    unless `force` (then nothing is deleted, and the files this push replaces are named)."""
+    existing = set(api.list_repo_files(repo_id)) - set(HUB_DEFAULTS)
+    if MANIFEST in existing:
+        with tempfile.TemporaryDirectory(prefix="d3d-manifest-") as cache:
+            path = api.hf_hub_download(repo_id, MANIFEST, cache_dir=cache)
+            earlier = read_manifest(Path(path).read_text(), f"{MANIFEST} of {repo_id}")
+        return sorted((earlier & existing) - staged)
+    if existing and not force:
+        raise PushError(f"{repo_id} already holds {len(existing)} file(s) and no `d3d push` made it (no {MANIFEST}): "
+                        "refusing to publish into it; --force uploads beside its files and deletes none")
+    if existing & staged:
+        say(f"replacing in {repo_id} (--force): {', '.join(sorted(existing & staged))}")
+    return []
 
 
 def push_drafter(folder: str | Path, repo_id: str, bench: dict | None = None, target: str | None = None,
                  private: bool = False, token: str | None = None, endpoint: str | None = None,
-                 commit_message: str = "Upload D3D drafter") -> str:
-    """Create `repo_id` (if needed) and upload the drafter in `folder` with its card; returns the commit URL."""
+                 commit_message: str = "Upload D3D drafter", force: bool = False,
+                 say: Callable[[str], None] = print) -> str:
+    """Create `repo_id` (if needed) and upload the drafter in `folder` with its card; returns the commit URL.
+
+    Deletes only files an earlier push wrote that this one does not carry, and `say`s which, before committing."""
+    check_drafter_folder(Path(folder))
     token = token or get_token()
     if token is None:
         raise PushError("No Hugging Face token found: run `hf auth login` or set HF_TOKEN")
     api = HfApi(endpoint=endpoint, token=token)
     with tempfile.TemporaryDirectory(prefix="d3d-push-") as staging:
         stage_drafter(folder, repo_id, staging, bench, target)
+        staged = sorted(path.name for path in Path(staging).iterdir())
         try:
             api.create_repo(repo_id, private=private, exist_ok=True)
-            # delete_patterns: files of an earlier push that this one does not carry go (stale weights, shards).
-            commit = api.upload_folder(folder_path=staging, repo_id=repo_id, commit_message=commit_message,
-                                       delete_patterns="*")
+            stale = files_to_delete(api, repo_id, set(staged), force, say)
+            say(f"deleting from {repo_id} (written by an earlier d3d push, not carried now): {', '.join(stale)}"
+                if stale else f"deleting nothing from {repo_id}")
+            operations = [CommitOperationAdd(name, str(Path(staging) / name)) for name in staged]
+            operations += [CommitOperationDelete(name) for name in stale]
+            commit = api.create_commit(repo_id, operations, commit_message=commit_message)
         except HfHubHTTPError as error:
             status = error.response.status_code if error.response is not None else "no response"
             raise PushError(f"Publishing {folder} to {repo_id} failed (HTTP {status}): {error.server_message or error}") from error
     return commit.commit_url
 
 
-__all__ = ["PushError", "check_drafter_folder", "push_drafter", "stage_drafter"]
+__all__ = ["MANIFEST", "PushError", "check_drafter_folder", "push_drafter", "stage_drafter"]

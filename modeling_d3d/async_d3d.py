@@ -24,7 +24,10 @@ DEFAULT_FANOUT = 2
 
 
 def check_budget(block_size: int, coverage: int, fanout: int) -> None:
-    """Raise `ValueError` unless `1 <= coverage <= block_size` and `fanout >= 0`."""
+    """Raise `ValueError` unless coverage and fanout are ints (not bools), `1 <= coverage <= block_size`, `fanout >= 0`."""
+    for name, value in (("coverage", coverage), ("fanout", fanout)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     if not 1 <= coverage <= block_size or fanout < 0:
         raise ValueError(f"coverage must be in 1..{block_size} and fanout >= 0, got coverage={coverage}, fanout={fanout}")
 

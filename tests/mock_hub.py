@@ -1,7 +1,7 @@
 """A local stand-in for the Hugging Face Hub's HTTP API: the endpoints `huggingface_hub` uses to publish a folder.
 
-It speaks create repo, validate YAML, list files (tree), preupload and commit (regular, base64-inline files and
-deletions), keeps what it was sent, and can be told to refuse commits, so that publishing is tested end to end over real HTTP on 127.0.0.1.
+It speaks create repo, validate YAML, list files (tree), download a file (resolve), preupload and commit (regular,
+base64-inline files and deletions), keeps what it was sent, and can be told to refuse commits, so that publishing is tested end to end over real HTTP on 127.0.0.1.
 """
 
 import base64
@@ -37,9 +37,34 @@ def _handler(state: HubState):
             self.end_headers()
             self.wfile.write(payload)
 
+        def _serve_file(self, method: str) -> bool:
+            """`/{repo}/resolve/{revision}/{path}` (what `hf_hub_download` asks for); False for other paths."""
+            match = re.match(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$", self.path.split("?")[0])
+            if match is None:
+                return False
+            content = state.files.get(match.group(1), {}).get(match.group(3))
+            if content is None:
+                self._reply(404, {"error": f"Entry not found: {match.group(3)}"})
+                return True
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(content)))
+            self.send_header("ETag", f'"{hashlib.sha1(content).hexdigest()}"')
+            self.send_header("X-Repo-Commit", "1" * 40)
+            self.end_headers()
+            if method == "GET":
+                self.wfile.write(content)
+            return True
+
+        def do_HEAD(self) -> None:
+            state.requests.append(("HEAD", self.path.split("?")[0]))
+            if not self._serve_file("HEAD"):
+                self._reply(404, {"error": "Not found"})
+
         def do_GET(self) -> None:
             path = self.path.split("?")[0]
             state.requests.append(("GET", path))
+            if self._serve_file("GET"):
+                return None
             match = re.match(r"^/api/models/(.+)/tree/([^/]+)$", path)
             if match is None or match.group(1) not in state.repos:
                 return self._reply(404, {"error": f"Not found: {path}"})

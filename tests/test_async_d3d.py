@@ -220,6 +220,13 @@ def test_out_of_range_settings_are_refused(coverage, fanout):
         D3DAssistedGenerator(drafter, coverage=coverage, fanout=fanout)
 
 
+@pytest.mark.parametrize("coverage,fanout,name", [(4, 2.5, "fanout"), (4.0, 2, "coverage"), (4, True, "fanout")])
+def test_settings_that_are_not_ints_are_refused(coverage, fanout, name):
+    _, drafter = pair(0, 0, 16, 6)
+    with pytest.raises(ValueError, match=f"{name} must be an int"):
+        D3DAssistedGenerator(drafter, coverage=coverage, fanout=fanout)
+
+
 def test_the_generator_is_only_an_assistant():
     _, drafter = pair(0, 0, 4, 6)
     with drafter.async_generator() as generator, pytest.raises(ValueError, match="assistant_model=generator"):

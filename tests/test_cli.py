@@ -1,8 +1,11 @@
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 from cli.main import main
+
+ROOT = Path(__file__).parents[1]
 
 
 def test_demo_runs_and_reports_lossless_output(capsys):
@@ -17,3 +20,38 @@ def test_bench_needs_no_training_extras():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1])
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def d3d(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`python -m cli.main ARGS` in a fresh process, from `cwd`, with the project importable."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True, timeout=300,
+                          cwd=cwd, env=env)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, command: str, message: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [result.stderr.strip()] and "Traceback" not in result.stderr
+    assert result.stderr.startswith(f"d3d {command}: error: ") and message in result.stderr
+
+
+def test_a_missing_drafter_folder_is_one_line_and_exit_2(tmp_path):
+    assert_one_line_error(d3d("push", "no-such-drafter", "me/repo", cwd=tmp_path), "push", "no such folder: no-such-drafter")
+
+
+def test_bad_prompts_fail_before_any_model_loads(tmp_path):
+    result = d3d("bench", "--target", "no/such-target", "--drafter", "no/such-drafter", "--prompts", "humaneval,missing.jsonl",
+                 cwd=tmp_path)
+    assert_one_line_error(result, "bench", "'missing.jsonl' is neither humaneval, pydoc nor a file")
+    result = d3d("bench", "--target", "t", "--drafter", "d", "--concurrency", "1,4", "--async-budget", "4x1.5", cwd=tmp_path)
+    assert_one_line_error(result, "bench", "'4x1.5' is not a list of CxF budgets")
+
+
+def test_missing_training_data_fails_before_the_target_loads(tmp_path):
+    result = d3d("train", "--target", "no/such-target", "--data", "no-data", "--output", "out", cwd=tmp_path)
+    assert_one_line_error(result, "train", "no dataset in no-data: run `d3d generate-data --output no-data` first")
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    result = d3d("--debug", "push", "no-such-drafter", "me/repo", cwd=tmp_path)
+    assert result.returncode == 1 and "Traceback" in result.stderr and "FileNotFoundError" in result.stderr

@@ -50,3 +50,34 @@ def test_an_interrupted_run_resumes_without_loss_or_duplicates(tmp_path):
     assert sorted(record["index"] for record in lines) == list(range(11))
     fresh = generate_responses(target, tokenizer, PROMPTS, tmp_path / "fresh", batch_size=2, max_new_tokens=5)
     assert dataset[:] == fresh[:]
+
+
+class CountingTarget(InterruptedTarget):
+    """A real target that also records how many prompts each `generate` call was given."""
+
+    def __init__(self, target):
+        super().__init__(target, interrupt_at=-1)
+        self.rows: list[int] = []
+
+    def generate(self, **kwargs):
+        self.rows.append(len(kwargs["input_ids"]))
+        return super().generate(**kwargs)
+
+
+def test_a_rerun_reuses_only_rows_of_the_same_prompt_and_settings(tmp_path, capsys):
+    target, tokenizer = tiny_target(0), word_tokenizer()
+    generate_responses(target, tokenizer, PROMPTS[:6], tmp_path, batch_size=4, max_new_tokens=5)
+    edited = ["w88 w89 w87", *PROMPTS[:6]]  # one prompt inserted at the top
+    counting = CountingTarget(target)
+    dataset = generate_responses(counting, tokenizer, edited, tmp_path, batch_size=4, max_new_tokens=5)
+    assert counting.rows == [1]  # only the new prompt was generated
+    assert "reused 6 of 7 rows; 1 prompt(s) new or with other settings; 0 earlier row(s) dropped" in capsys.readouterr().out
+    fresh = generate_responses(target, tokenizer, edited, tmp_path / "fresh", batch_size=4, max_new_tokens=5)
+    assert dataset[:] == fresh[:] and dataset["index"] == list(range(7))
+    assert sorted(json.loads(line)["index"] for line in (tmp_path / RECORDS).read_text().splitlines()) == list(range(7))
+
+    longer = CountingTarget(target)
+    dataset = generate_responses(longer, tokenizer, edited[1:], tmp_path, batch_size=4, max_new_tokens=7)
+    assert longer.rows == [4, 2]  # other settings: nothing reused
+    assert "reused 0 of 6 rows; 6 prompt(s) new or with other settings; 7 earlier row(s) dropped" in capsys.readouterr().out
+    assert dataset[:] == generate_responses(target, tokenizer, edited[1:], tmp_path / "fresh7", max_new_tokens=7)[:]

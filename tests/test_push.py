@@ -8,7 +8,7 @@ from huggingface_hub import ModelCard
 
 from cli.main import main
 from conftest import run_without_project, tiny_drafter, word_tokenizer
-from hub_upload.push import PushError, push_drafter
+from hub_upload.push import MANIFEST, PushError, push_drafter
 from mock_hub import MockHub
 from trainer.provenance import DrafterProvenance, record_pruning
 
@@ -41,6 +41,14 @@ def snapshot(folder: Path) -> dict[str, bytes]:
     return {path.name: path.read_bytes() for path in folder.iterdir()}
 
 
+def published_names(folder: Path) -> set[str]:
+    """The files a push of the drafter in `folder` writes: its own but the training record, the card, the manifest."""
+    return (set(snapshot(folder)) - {"d3d_training.json"}) | {"README.md", MANIFEST}
+
+
+FOREIGN = {"LICENSE": b"MIT", "eval/results.json": b"{}", "model-q4.gguf": b"GGUF", "demo.ipynb": b"{}"}
+
+
 def test_push_uploads_the_folder_and_a_card_that_round_trips(drafter_folder, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     before = snapshot(drafter_folder)
@@ -55,7 +63,8 @@ def test_push_uploads_the_folder_and_a_card_that_round_trips(drafter_folder, tmp
         "/api/models/me/d3d-tiny/preupload/main", "/api/models/me/d3d-tiny/commit/main",
     ]
     uploaded = hub.state.files["me/d3d-tiny"]
-    assert set(uploaded) == (set(before) - {"d3d_training.json"}) | {"README.md"}
+    assert set(uploaded) == published_names(drafter_folder)
+    assert json.loads(uploaded[MANIFEST])["files"] == sorted(published_names(drafter_folder) - {MANIFEST})
     assert all(uploaded[name] == before[name] for name in before if name != "d3d_training.json")
     assert hub.state.authorizations == {f"Bearer {TOKEN}"}
     assert TOKEN not in capsys.readouterr().out
@@ -87,13 +96,43 @@ def test_push_uploads_the_folder_and_a_card_that_round_trips(drafter_folder, tmp
     assert loaded.stdout.split() == ["D3DForBlockDiffusion", "5"]
 
 
-def test_a_second_push_leaves_no_stale_files(drafter_folder, tmp_path):
+def test_a_second_push_removes_only_its_own_stale_files(drafter_folder, tmp_path, capsys):
     with MockHub() as hub:
         push_drafter(drafter_folder, "me/d3d-tiny", token=TOKEN, endpoint=hub.endpoint)
-        hub.state.files["me/d3d-tiny"]["model-00001-of-00002.safetensors"] = b"stale shard of an earlier push"
-        (drafter_folder / "tokenizer.json").unlink()
+        assert "deleting nothing" in capsys.readouterr().out
+        hub.state.files["me/d3d-tiny"].update(FOREIGN)  # added on the Hub by hand, after the push
+        single = (drafter_folder / "model.safetensors").read_bytes()
+        (drafter_folder / "model.safetensors").unlink()  # the drafter is re-saved sharded
+        for shard in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+            (drafter_folder / shard).write_bytes(single)
+        (drafter_folder / "model.safetensors.index.json").write_text('{"weight_map": {}}')
         push_drafter(drafter_folder, "me/d3d-tiny", token=TOKEN, endpoint=hub.endpoint)
-    assert set(hub.state.files["me/d3d-tiny"]) == (set(snapshot(drafter_folder)) - {"d3d_training.json"}) | {"README.md"}
+    assert set(hub.state.files["me/d3d-tiny"]) == published_names(drafter_folder) | set(FOREIGN)
+    assert "model.safetensors" not in hub.state.files["me/d3d-tiny"]
+    assert "deleting from me/d3d-tiny (written by an earlier d3d push, not carried now): model.safetensors" in capsys.readouterr().out
+
+
+def test_a_repo_that_no_push_made_is_refused_without_force(drafter_folder, tmp_path, capsys):
+    with MockHub() as hub:
+        hub.state.repos["me/d3d-tiny"] = {}
+        hub.state.files["me/d3d-tiny"] = {**FOREIGN, ".gitattributes": b"*.gguf filter=lfs", "README.md": b"mine"}
+        with pytest.raises(PushError, match=f"no `d3d push` made it \\(no {MANIFEST}\\).*--force"):
+            push_drafter(drafter_folder, "me/d3d-tiny", token=TOKEN, endpoint=hub.endpoint)
+        assert set(hub.state.files["me/d3d-tiny"]) == set(FOREIGN) | {".gitattributes", "README.md"}
+        push_drafter(drafter_folder, "me/d3d-tiny", token=TOKEN, endpoint=hub.endpoint, force=True)
+        assert set(hub.state.files["me/d3d-tiny"]) == published_names(drafter_folder) | set(FOREIGN) | {".gitattributes"}
+        assert "replacing in me/d3d-tiny (--force): README.md" in capsys.readouterr().out
+        (drafter_folder / "tokenizer.json").unlink()
+        push_drafter(drafter_folder, "me/d3d-tiny", token=TOKEN, endpoint=hub.endpoint)  # now a push made it
+    assert set(hub.state.files["me/d3d-tiny"]) == published_names(drafter_folder) | set(FOREIGN) | {".gitattributes"}
+
+
+def test_a_new_repo_holding_only_the_hubs_gitattributes_needs_no_force(drafter_folder):
+    with MockHub() as hub:
+        hub.state.repos["me/d3d-tiny"] = {}
+        hub.state.files["me/d3d-tiny"] = {".gitattributes": b"*.safetensors filter=lfs"}
+        push_drafter(drafter_folder, "me/d3d-tiny", token=TOKEN, endpoint=hub.endpoint)
+    assert set(hub.state.files["me/d3d-tiny"]) == published_names(drafter_folder) | {".gitattributes"}
 
 
 def test_a_refused_commit_is_a_clear_error_and_leaves_nothing_behind(drafter_folder, tmp_path, monkeypatch):
@@ -114,9 +153,31 @@ def test_dry_run_writes_the_folder_and_card_without_network(drafter_folder, tmp_
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     output = tmp_path / "upload"
     assert main(["push", str(drafter_folder), "me/d3d-tiny", "--dry-run", str(output)]) == 0
-    assert {p.name for p in output.iterdir()} == (set(snapshot(drafter_folder)) - {"d3d_training.json"}) | {"README.md"}
+    assert {p.name for p in output.iterdir()} == published_names(drafter_folder)
     card = ModelCard.load(output / "README.md")
     assert card.data.eval_results is None and "org/target-lm" in card.text
+
+
+def test_a_second_dry_run_replaces_only_what_the_first_wrote(drafter_folder, tmp_path):
+    output = tmp_path / "upload"
+    assert main(["push", str(drafter_folder), "me/d3d-tiny", "--dry-run", str(output)]) == 0
+    (output / "notes.txt").write_text("mine")
+    (drafter_folder / "tokenizer.json").unlink()
+    assert main(["push", str(drafter_folder), "me/d3d-tiny", "--dry-run", str(output)]) == 0
+    assert {p.name for p in output.iterdir()} == published_names(drafter_folder) | {"notes.txt"}
+
+
+def test_a_dry_run_into_a_foreign_folder_or_the_drafter_is_refused(drafter_folder, tmp_path, capsys):
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "config.json").write_text("{}")
+    before = snapshot(drafter_folder)
+    assert main(["push", str(drafter_folder), "me/d3d-tiny", "--dry-run", str(foreign)]) == 2
+    assert "no earlier `d3d push --dry-run` wrote it" in capsys.readouterr().err
+    assert snapshot(foreign) == {"config.json": b"{}"}
+    assert main(["push", str(drafter_folder), "me/d3d-tiny", "--dry-run", str(drafter_folder)]) == 2
+    assert "is the drafter folder itself" in capsys.readouterr().err
+    assert snapshot(drafter_folder) == before
 
 
 def test_a_folder_that_would_not_load_is_refused(drafter_folder, tmp_path):
@@ -135,7 +196,7 @@ def test_no_token_is_a_clear_error(drafter_folder, tmp_path, monkeypatch):
 def test_a_drafter_without_a_recorded_target_needs_one(drafter_folder, tmp_path):
     (drafter_folder / "d3d_training.json").unlink()
     with pytest.raises(ValueError, match="does not record its target"):
-        main(["push", str(drafter_folder), "me/d3d-tiny", "--dry-run", str(tmp_path / "out")])
+        main(["--debug", "push", str(drafter_folder), "me/d3d-tiny", "--dry-run", str(tmp_path / "out")])
     assert main(["push", str(drafter_folder), "me/d3d-tiny", "--dry-run", str(tmp_path / "out"),
                  "--target", "org/other-lm"]) == 0
     assert 'AutoModelForCausalLM.from_pretrained("org/other-lm")' in (tmp_path / "out" / "README.md").read_text()
@@ -149,13 +210,13 @@ def test_a_card_that_cannot_be_built_writes_nothing(drafter_folder, tmp_path):
     assert not output.exists()
 
 
-def test_a_pruned_drafter_without_provenance_does_not_invent_a_target(drafter_folder, tmp_path):
+def test_a_pruned_drafter_without_provenance_does_not_invent_a_target(drafter_folder, tmp_path, capsys):
     (drafter_folder / "d3d_training.json").unlink()
     pruned = tmp_path / "pruned"
     tiny_drafter(seed=4, block_size=5, layers=1).save_pretrained(pruned)
     record_pruning(drafter_folder, pruned)
-    with pytest.raises(ValueError, match="does not record its target"):
-        main(["push", str(pruned), "me/d3d-tiny", "--dry-run", str(tmp_path / "out")])
+    assert main(["push", str(pruned), "me/d3d-tiny", "--dry-run", str(tmp_path / "out")]) == 2
+    assert "does not record its target" in capsys.readouterr().err
     assert main(["push", str(pruned), "me/d3d-tiny", "--dry-run", str(tmp_path / "out"), "--target", "org/lm"]) == 0
     card = ModelCard.load(tmp_path / "out" / "README.md")
     assert "2 -> 1 layers" in card.text and "not recorded" in card.text and card.data.base_model is None

@@ -1,8 +1,10 @@
 """Target-aligned training data: the target regenerates the responses the drafter learns from.
 
 Records are appended to `responses.jsonl` as each batch finishes, so an interrupted run resumes where it stopped:
-nothing regenerated twice, nothing lost. The finished set is saved as a `datasets` dataset with `prompt` and
-`completion` token ids.
+nothing regenerated twice, nothing lost. Each record keeps its prompt's token ids and the generation settings it was
+made with; a rerun reuses only records whose prompt and settings match (whatever their position: prompts may have
+been inserted or removed), regenerates the rest and drops the earlier records that no longer match. The finished set
+is saved as a `datasets` dataset with `index`, `prompt` and `completion` (in the prompts' order).
 """
 
 import json
@@ -19,11 +21,11 @@ RECORDS = "responses.jsonl"
 DATASET = "dataset"
 
 
-def read_records(path: Path) -> dict[int, dict]:
-    """Completed records by prompt index; a torn last line (an interrupted write) is dropped from the file."""
+def read_records(path: Path) -> list[dict]:
+    """The completed records; a torn last line (an interrupted write) is dropped from the file."""
     if not path.exists():
-        return {}
-    records, good_bytes = {}, 0
+        return []
+    records, good_bytes = [], 0
     with path.open("rb") as handle:
         for line in handle:
             try:
@@ -32,11 +34,33 @@ def read_records(path: Path) -> dict[int, dict]:
                 break
             if not line.endswith(b"\n"):
                 break
-            records[record["index"]] = record
+            records.append(record)
             good_bytes += len(line)
     with path.open("r+b") as handle:
         handle.truncate(good_bytes)
     return records
+
+
+def _key(prompt_ids: list[int], settings: dict) -> str:
+    """What a record must match to be reused: its prompt's token ids and its generation settings."""
+    return json.dumps([prompt_ids, settings], sort_keys=True)
+
+
+def reusable_records(path: Path, encoded: list[list[int]], settings: dict) -> dict[int, dict]:
+    """Records of `path` made from `encoded[index]` with `settings`, by index; rewrites `path` to hold only those."""
+    earlier = {_key(record["prompt"], record.get("settings")): record for record in read_records(path)}
+    reused = {}
+    for index, ids in enumerate(encoded):
+        record = earlier.get(_key(ids, settings))
+        if record is not None:
+            reused[index] = {**record, "index": index}
+    scratch = path.with_suffix(".tmp")
+    scratch.write_text("".join(json.dumps(reused[index]) + "\n" for index in sorted(reused)))
+    os.replace(scratch, path)
+    if earlier:
+        print(f"{path}: reused {len(reused)} of {len(encoded)} rows; {len(encoded) - len(reused)} prompt(s) new or with "
+              f"other settings; {len(earlier) - len(reused)} earlier row(s) dropped")
+    return reused
 
 
 def _completion(generated: list[int], stop_ids: set[int], pad_token_id: int | None) -> list[int]:
@@ -68,7 +92,10 @@ def generate_responses(
     output = Path(output_dir)
     output.mkdir(parents=True, exist_ok=True)
     records_path = output / RECORDS
-    records = read_records(records_path)
+    encoded = [encode_prompt(tokenizer, prompt) for prompt in prompts]
+    settings = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "seed": seed if do_sample else None,
+                **{name: repr(value) for name, value in generate_kwargs.items()}}
+    records = reusable_records(records_path, encoded, settings)
     tokenizer.padding_side = "left"
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = target.generation_config.eos_token_id
@@ -78,10 +105,10 @@ def generate_responses(
     with records_path.open("a") as sink, tqdm(total=len(prompts), initial=len(records), desc="target responses") as bar:
         for start in range(0, len(todo), batch_size):
             indices = todo[start : start + batch_size]
-            encoded = [encode_prompt(tokenizer, prompts[index]) for index in indices]
-            width = max(len(ids) for ids in encoded)
-            input_ids = torch.tensor([[pad_token_id] * (width - len(ids)) + ids for ids in encoded], device=device)
-            attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded], device=device)
+            batch = [encoded[index] for index in indices]
+            width = max(len(ids) for ids in batch)
+            input_ids = torch.tensor([[pad_token_id] * (width - len(ids)) + ids for ids in batch], device=device)
+            attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch], device=device)
             torch.manual_seed(seed + indices[0])
             generated = target.generate(
                 input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
@@ -89,21 +116,24 @@ def generate_responses(
             )
             for row, index in enumerate(indices):
                 completion = _completion(generated[row, width:].tolist(), stop_ids, pad_token_id)
-                record = {"index": index, "prompt": encoded[row], "completion": completion}
+                record = {"index": index, "prompt": batch[row], "completion": completion, "settings": settings}
                 sink.write(json.dumps(record) + "\n")
                 records[index] = record
             sink.flush()
             os.fsync(sink.fileno())
             bar.update(len(indices))
-    ordered = [records[index] for index in range(len(prompts))]
+    ordered = [{name: records[index][name] for name in ("index", "prompt", "completion")} for index in range(len(prompts))]
     dataset = Dataset.from_list(ordered)
     dataset.save_to_disk(str(output / DATASET))
     return dataset
 
 
 def load_responses(output_dir: str | os.PathLike) -> Dataset:
-    """The dataset a finished `generate_responses` run saved."""
-    return load_from_disk(str(Path(output_dir) / DATASET))
+    """The dataset a finished `generate_responses` run saved (`FileNotFoundError` if there is none)."""
+    path = Path(output_dir) / DATASET
+    if not path.is_dir():
+        raise FileNotFoundError(f"no dataset in {output_dir}: run `d3d generate-data --output {output_dir}` first")
+    return load_from_disk(str(path))
 
 
-__all__ = ["encode_prompt", "generate_responses", "load_responses", "read_records"]
+__all__ = ["encode_prompt", "generate_responses", "load_responses", "read_records", "reusable_records"]
