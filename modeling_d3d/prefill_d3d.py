@@ -113,7 +113,9 @@ def chunk_spans(length: int, chunk_size: int) -> list[tuple[int, int]]:
     return sorted((max(0, end - chunk_size), end) for end in range(length, 0, -chunk_size))
 
 
-def _mask_queries(drafter, layer_inputs: tuple[torch.Tensor, ...], position_ids: torch.LongTensor) -> list[torch.Tensor]:
+def _mask_queries(
+    drafter, layer_inputs: tuple[torch.Tensor, ...], position_ids: torch.LongTensor
+) -> list[torch.Tensor]:
     """Per decoder layer, the MASK position's query `(heads, head_dim)` as its attention computes it (`q_proj`,
     `q_norm`, rotary), recomputed from the layer's input `(1, 2, hidden)` of the probe's own pass."""
     cos, sin = drafter.model.rotary_emb(layer_inputs[0], position_ids)
