@@ -132,7 +132,7 @@ def test_the_probe_is_unaffected_by_another_thread_drafting_with_the_same_drafte
     finally:
         stop.set()
         worker.join()
-    assert len(drafted) > 50  # the other thread really drafted throughout
+    assert len(drafted) > 25  # the other thread really drafted throughout (about 90 drafts here)
     assert sum(s.kept == alone.kept and torch.equal(s.scores, alone.scores) for s in selections) == 50
 
 
