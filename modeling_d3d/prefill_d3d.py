@@ -113,43 +113,30 @@ def chunk_spans(length: int, chunk_size: int) -> list[tuple[int, int]]:
     return sorted((max(0, end - chunk_size), end) for end in range(length, 0, -chunk_size))
 
 
-class _MaskQueryRecorder:
-    """Forward hooks that keep, per decoder layer, the MASK position's query `(heads, head_dim)` after `q_norm`
-    and the rotary `(cos, sin)` of the pass, so the probe can score keys without changing the attention backend
-    (the model's config is shared with other threads, which may be drafting with it at the same time)."""
-
-    def __init__(self, drafter):
-        self.queries: list[torch.Tensor] = []
-        self.rotary: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.handles = []
-        for layer in drafter.model.layers:
-            self.handles.append(layer.self_attn.q_norm.register_forward_hook(self._keep_query))
-            self.handles.append(layer.self_attn.register_forward_pre_hook(self._keep_rotary, with_kwargs=True))
-
-    def _keep_query(self, module, inputs, output: torch.Tensor) -> None:
-        self.queries.append(output[0, -1])  # (heads, head_dim): the last position of the pass is the MASK
-
-    def _keep_rotary(self, module, args, kwargs) -> None:
-        cos, sin = kwargs["position_embeddings"]
-        self.rotary.append((cos[:, -1:], sin[:, -1:]))
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
+def _mask_queries(
+    drafter, layer_inputs: tuple[torch.Tensor, ...], position_ids: torch.LongTensor
+) -> list[torch.Tensor]:
+    """Per decoder layer, the MASK position's query `(heads, head_dim)` as its attention computes it (`q_proj`,
+    `q_norm`, rotary), recomputed from the layer's input `(1, 2, hidden)` of the probe's own pass."""
+    cos, sin = drafter.model.rotary_emb(layer_inputs[0], position_ids)
+    queries = []
+    for layer, layer_input in zip(drafter.model.layers, layer_inputs):
+        attention = layer.self_attn
+        states = attention.q_proj(layer.input_layernorm(layer_input))
+        states = attention.q_norm(states.view(*states.shape[:-1], -1, attention.head_dim)).transpose(1, 2)
+        query = apply_rotary_pos_emb(states, states, cos, sin)[0]
+        queries.append(query[0, :, -1].float())  # the last position of the pass is the MASK
+    return queries
 
 
-def _mask_attention(drafter, recorder: _MaskQueryRecorder, cache: DynamicCache, length: int) -> torch.Tensor:
+def _mask_attention(drafter, queries: list[torch.Tensor], cache: DynamicCache, length: int) -> torch.Tensor:
     """`(layers, heads, L)`: the MASK query's attention probabilities over the prompt's keys, per layer and head.
     The MASK sees every cached key (the prefix, the anchor and itself: the block is bidirectional)."""
     rows = []
-    for index, layer in enumerate(drafter.model.layers):
-        attention = layer.self_attn
-        cos, sin = recorder.rotary[index]
-        query = recorder.queries[index][None, :, None, :]  # (1, heads, 1, head_dim)
-        query = apply_rotary_pos_emb(query, query, cos, sin)[0][0, :, 0].float()
+    for index, (layer, query) in enumerate(zip(drafter.model.layers, queries)):
         keys = cache.layers[index].keys[0].float()  # (kv_heads, T, head_dim)
         keys = keys.repeat_interleave(query.shape[0] // keys.shape[0], dim=0)
-        probabilities = (torch.einsum("hd,htd->ht", query, keys) * attention.scaling).softmax(dim=-1)
+        probabilities = (torch.einsum("hd,htd->ht", query, keys) * layer.self_attn.scaling).softmax(dim=-1)
         rows.append(probabilities[:, :length])
     return torch.stack(rows)
 
@@ -159,9 +146,11 @@ def probe_token_importance(drafter, input_ids: torch.LongTensor) -> tuple[torch.
     """The one-MASK importance probe: `(1, L)` prompt -> `(L,)` token scores and the drafter cache of `x_1..x_{L-1}`.
 
     The prefix `x_1..x_{L-1}` is prefilled causally (this cache is exactly what the first drafted block needs, so
-    selective prefill reuses it); the 2-token block `[x_L, M]` then runs with the drafter's own attention backend,
-    hooks keep the MASK's query, and its attention probabilities over the cached keys are computed from them (one
-    query row over L keys per layer and head). Score of token i: that probability, mean over layers and query heads.
+    selective prefill reuses it); the 2-token block `[x_L, M]` then runs with the drafter's own attention backend
+    and `output_hidden_states` (entry i is the input of decoder layer i), the MASK's query is recomputed from each
+    layer's input, and its attention probabilities over the cached keys follow (one query row over L keys per layer
+    and head). Score of token i: that probability, mean over layers and query heads. Everything it reads belongs to
+    this call (no hooks of its own, the config untouched), so other threads may draft with the drafter meanwhile.
     """
     length = input_ids.shape[1]
     device = drafter.model.embed_tokens.weight.device
@@ -171,20 +160,18 @@ def probe_token_importance(drafter, input_ids: torch.LongTensor) -> tuple[torch.
         drafter(input_ids=input_ids[:, :-1], past_key_values=cache, use_cache=True, logits_to_keep=1)
     anchor = torch.full((1, 1), length - 1, device=device, dtype=torch.long)
     block_ids, visible_prefix, position_ids = block_layout(0, anchor, PROBE_BLOCK_SIZE, length - 1)
-    recorder = _MaskQueryRecorder(drafter)
-    try:
-        drafter(
-            input_ids=drafter.mask_blocks(input_ids[:, -1:])[:, :PROBE_BLOCK_SIZE],
-            position_ids=position_ids,
-            block_ids=block_ids,
-            visible_prefix=visible_prefix,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-    finally:
-        recorder.remove()
-    mask_rows = _mask_attention(drafter, recorder, cache, length)  # (layers, heads, L)
+    hidden_states = drafter(
+        input_ids=drafter.mask_blocks(input_ids[:, -1:])[:, :PROBE_BLOCK_SIZE],
+        position_ids=position_ids,
+        block_ids=block_ids,
+        visible_prefix=visible_prefix,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+        output_hidden_states=True,
+    ).hidden_states
+    queries = _mask_queries(drafter, hidden_states[: len(drafter.model.layers)], position_ids)
+    mask_rows = _mask_attention(drafter, queries, cache, length)  # (layers, heads, L)
     cache.crop(-PROBE_BLOCK_SIZE)
     return mask_rows.mean(dim=(0, 1)), cache
 

@@ -12,12 +12,12 @@ import torch
 
 if __package__:
     from .decoding import MAX_FANOUT, MAX_NEW_TOKENS, MAX_TEMPERATURE, Settings, compare_live, prepare_request, whole_number
-    from .loading import add_arguments, devices, load_models, model_sources
+    from .loading import DEFAULT_QUEUE_SIZE, add_arguments, devices, load_models, model_sources
     from .prefill_view import prefill_preview
     from .render import legend_html, rounds_svg, stats_html, tokens_html
 else:  # beside its modules as the root of a Space
     from decoding import MAX_FANOUT, MAX_NEW_TOKENS, MAX_TEMPERATURE, Settings, compare_live, prepare_request, whole_number
-    from loading import add_arguments, devices, load_models, model_sources
+    from loading import DEFAULT_QUEUE_SIZE, add_arguments, devices, load_models, model_sources
     from prefill_view import prefill_preview
     from render import legend_html, rounds_svg, stats_html, tokens_html
 
@@ -26,9 +26,12 @@ The drafter proposes a block of `b - 1` tokens in one forward pass; the target v
 the target's own). The target alone runs first, then D3D async on the same prompt, so neither slows the other down."""
 
 
-def build_demo(target, drafter, tokenizer, concurrency_limit: int = 2) -> gr.Blocks:
-    """The Space's page for loaded models. `concurrency_limit`: requests decoding at once (each has its own
-    asynchronous generator; they share the weights and the hardware)."""
+def build_demo(
+    target, drafter, tokenizer, concurrency_limit: int = 2, queue_size: int = DEFAULT_QUEUE_SIZE
+) -> gr.Blocks:
+    """The Space's page for loaded models, queued. `concurrency_limit`: requests decoding at once per event (each has
+    its own asynchronous generator; they share the weights and the hardware); `queue_size`: requests waiting at most
+    (beyond it Gradio answers that the queue is full)."""
     trained_block_size = drafter.config.block_size
 
     def generate(prompt, block_size, coverage, fanout, temperature, max_new_tokens):
@@ -94,15 +97,18 @@ def build_demo(target, drafter, tokenizer, concurrency_limit: int = 2) -> gr.Blo
                 show_chunks = gr.Button("Show kept chunks", elem_id="show-chunks")
             chunks = gr.HTML(elem_id="prefill-chunks")
 
-        def preview(prompt_text, retention_value, chunk_value):
+        def preview(prompt_text, retention_value, chunk_value, new_tokens):
             try:
-                return prefill_preview(drafter, tokenizer, prompt_text, retention_value, whole_number("chunk size", chunk_value))
+                return prefill_preview(
+                    target, drafter, tokenizer, prompt_text, retention_value, whole_number("chunk size", chunk_value),
+                    whole_number("max new tokens", new_tokens),
+                )
             except (TypeError, ValueError) as error:
                 raise gr.Error(str(error)) from error
 
-        show_chunks.click(preview, [prompt, retention, chunk_size], chunks, api_name="prefill_chunks",
+        show_chunks.click(preview, [prompt, retention, chunk_size, max_new_tokens], chunks, api_name="prefill_chunks",
                           concurrency_limit=concurrency_limit)
-    return demo
+    return demo.queue(max_size=queue_size)
 
 
 def serve(args: argparse.Namespace, dtype: torch.dtype | None = None) -> None:
@@ -111,8 +117,8 @@ def serve(args: argparse.Namespace, dtype: torch.dtype | None = None) -> None:
     target_source, drafter_source = model_sources(args)
     target_device, drafter_device = devices(args)
     target, drafter, tokenizer = load_models(target_source, drafter_source, target_device, drafter_device, dtype)
-    demo = build_demo(target, drafter, tokenizer, concurrency_limit=args.concurrency)
-    demo.queue().launch(server_name=args.host, server_port=args.port)
+    demo = build_demo(target, drafter, tokenizer, concurrency_limit=args.concurrency, queue_size=args.queue_size)
+    demo.launch(server_name=args.host, server_port=args.port)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -266,17 +266,22 @@ def generate_kwargs(settings: Settings) -> dict:
     return {"do_sample": True, "temperature": settings.temperature, "max_new_tokens": settings.max_new_tokens}
 
 
+def check_prompt_length(target, prompt_ids: torch.LongTensor, max_new_tokens: int) -> None:
+    """Raise `ValueError` when the prompt `(1, L)` leaves no room for `max_new_tokens` in the target's positions."""
+    positions = getattr(target.config.get_text_config(), "max_position_embeddings", None)
+    if positions is not None and prompt_ids.shape[1] + max_new_tokens > positions:
+        raise ValueError(
+            f"The prompt has {prompt_ids.shape[1]} tokens; with {max_new_tokens} new tokens it exceeds the "
+            f"target's {positions} positions"
+        )
+
+
 def prepare_request(target, drafter, tokenizer, prompt: str | None, settings: Settings) -> torch.LongTensor:
     """The prompt's ids `(1, L)`; `ValueError` for an empty prompt, out-of-range settings, or a prompt that leaves
     no room for `max_new_tokens` in the target's positions."""
     check_settings(settings, drafter.config.block_size)
     prompt_ids = encode_prompt(tokenizer, prompt)
-    positions = getattr(target.config.get_text_config(), "max_position_embeddings", None)
-    if positions is not None and prompt_ids.shape[1] + settings.max_new_tokens > positions:
-        raise ValueError(
-            f"The prompt has {prompt_ids.shape[1]} tokens; with {settings.max_new_tokens} new tokens it exceeds the "
-            f"target's {positions} positions"
-        )
+    check_prompt_length(target, prompt_ids, settings.max_new_tokens)
     return prompt_ids
 
 
@@ -328,6 +333,6 @@ def decode_live(target, tokenizer, prompt_ids: torch.LongTensor, settings: Setti
 
 __all__ = [
     "CACHE", "DRAFT", "TARGET", "MAX_FANOUT", "MAX_NEW_TOKENS", "MAX_TEMPERATURE", "Detokenizer", "DraftLength",
-    "LiveDecode", "Round", "RoundStreamer", "Settings", "StopOnEvent", "check_settings", "compare_live", "decode_live",
-    "encode_prompt", "generate_kwargs", "prepare_request", "token_kinds", "whole_number",
+    "LiveDecode", "Round", "RoundStreamer", "Settings", "StopOnEvent", "check_prompt_length", "check_settings",
+    "compare_live", "decode_live", "encode_prompt", "generate_kwargs", "prepare_request", "token_kinds", "whole_number",
 ]

@@ -9,6 +9,7 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 DEFAULT_TARGET = "d3d-output/target"
 DEFAULT_DRAFTER = "d3d-output/drafter"
+DEFAULT_QUEUE_SIZE = 16
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,6 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help="address to serve on (default: $GRADIO_SERVER_NAME, else 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port (default: $GRADIO_SERVER_PORT, else the first free from 7860)")
     parser.add_argument("--concurrency", type=int, default=2, help="requests decoding at once (they share the hardware)")
+    parser.add_argument(
+        "--queue-size", type=int, default=DEFAULT_QUEUE_SIZE, help="requests waiting at most; more are refused"
+    )
 
 
 def model_sources(args: argparse.Namespace) -> tuple[str, str]:
@@ -53,4 +57,4 @@ def load_models(target_source: str, drafter_source: str, target_device: str = "c
     return target, drafter, tokenizer
 
 
-__all__ = ["DEFAULT_DRAFTER", "DEFAULT_TARGET", "add_arguments", "devices", "load_models", "model_sources"]
+__all__ = ["DEFAULT_DRAFTER", "DEFAULT_QUEUE_SIZE", "DEFAULT_TARGET", "add_arguments", "devices", "load_models", "model_sources"]

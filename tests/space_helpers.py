@@ -45,9 +45,9 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def served(demo):
-    """Serve `demo` on 127.0.0.1 at a free port for the `with` block; yields its URL."""
+    """Serve `demo` (queued by `build_demo`) on 127.0.0.1 at a free port for the `with` block; yields its URL."""
     port = free_port()
-    demo.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
     try:
         yield f"http://127.0.0.1:{port}/"
     finally:

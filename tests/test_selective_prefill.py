@@ -2,6 +2,7 @@
 
 import html
 import re
+import threading
 
 import pytest
 import torch
@@ -81,14 +82,16 @@ def test_kept_chunks_are_ordered_and_about_retention_times_length(models, length
 
 
 def test_probe_matches_one_uncached_eager_pass(models):
-    """The cached probe (sdpa passes, MASK row from its recorded query) equals the MASK row of one eager pass over
-    prompt + block; it leaves the drafter as it found it (attention backend, hooks), so other threads may use it."""
+    """The cached probe (sdpa passes, MASK row from queries recomputed from the layer inputs) equals the MASK row of
+    one eager pass over prompt + block; it leaves the drafter as it found it (attention backend; no hooks but the
+    output-capturing ones transformers installs once for `output_hidden_states`)."""
     _, drafter = models
     ids = prompt(40, seed=4)
     backend = drafter.config._attn_implementation
     scores, cache = probe_token_importance(drafter, ids)
     assert drafter.config._attn_implementation == backend == "sdpa"
-    assert not any(m._forward_hooks or m._forward_pre_hooks for m in drafter.modules())
+    hooks = [h for m in drafter.modules() for h in (*m._forward_hooks.values(), *m._forward_pre_hooks.values())]
+    assert all(hook.__module__ == "transformers.utils.output_capturing" for hook in hooks)
     assert cache.get_seq_length() == ids.shape[1] - 1
     length = ids.shape[1]
     block_ids, visible_prefix, position_ids = block_layout(length - 1, torch.tensor([[length - 1]]), 2)
@@ -106,6 +109,31 @@ def test_probe_matches_one_uncached_eager_pass(models):
     expected = torch.stack([layer[0, :, -1, :length] for layer in attentions]).mean(dim=(0, 1))
     torch.testing.assert_close(scores, expected, atol=1e-5, rtol=1e-4)
     assert drafter.config._attn_implementation == previous
+
+
+def test_the_probe_is_unaffected_by_another_thread_drafting_with_the_same_drafter(models, one_torch_thread):
+    """50 selections made while another thread keeps drafting (other input) with the same drafter all equal the one
+    made alone: the probe reads only its own pass."""
+    _, drafter = models
+    ids, other = prompt(64, seed=10), prompt(48, seed=11)
+    alone = select_prompt_chunks(drafter, ids, 0.3, 8)
+    stop, drafted = threading.Event(), []
+
+    def draft_until_stopped() -> None:
+        while not stop.is_set():
+            drafted.append(drafter.draft_block(other).tokens)
+
+    worker = threading.Thread(target=draft_until_stopped)
+    worker.start()
+    try:
+        while not drafted:
+            stop.wait(0.001)
+        selections = [select_prompt_chunks(drafter, ids, 0.3, 8) for _ in range(50)]
+    finally:
+        stop.set()
+        worker.join()
+    assert len(drafted) > 25  # the other thread really drafted throughout (about 90 drafts here)
+    assert sum(s.kept == alone.kept and torch.equal(s.scores, alone.scores) for s in selections) == 50
 
 
 def needle_drafter(needle: int, layers: int = 2) -> "torch.nn.Module":

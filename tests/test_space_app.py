@@ -14,7 +14,9 @@ from space_app.decoding import (
     CACHE, DRAFT, TARGET, Detokenizer, DraftLength, Settings, check_settings, compare_live, decode_live,
     encode_prompt, prepare_request, token_kinds,
 )
-from space_app.loading import DEFAULT_DRAFTER, DEFAULT_TARGET, model_sources
+from modeling_d3d.prefill_d3d import PromptSelection, chunk_spans
+from space_app.loading import DEFAULT_DRAFTER, DEFAULT_QUEUE_SIZE, DEFAULT_TARGET, model_sources
+from space_app.prefill_view import MAX_CHUNKS, check_chunk_count, chunk_texts, kept_chunks_html, prefill_preview
 from space_app.render import rounds_svg, stats_html, tokens_html
 from space_helpers import BLOCK_SIZE, PROMPT, PageReader, greedy_text, load_tiny_models, save_tiny_models, served
 
@@ -130,12 +132,17 @@ def test_an_empty_or_too_long_prompt_is_refused(space_models):
         prepare_request(target, drafter, tokenizer, too_long, GREEDY)
 
 
-def test_detokenizer_pieces_join_to_the_decoded_text_across_split_characters():
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer that splits multi-byte characters over several tokens."""
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     backend.train_from_iterator(["plain"], trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    return PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+def test_detokenizer_pieces_join_to_the_decoded_text_across_split_characters():
+    tokenizer = byte_tokenizer()
     ids = tokenizer("héllo € wörld ✓")["input_ids"]
     assert len(ids) > len("héllo € wörld ✓"), "multi-byte characters are split over several tokens"
     detokenizer = Detokenizer(tokenizer)
@@ -227,9 +234,77 @@ def test_the_space_shows_the_chunks_selective_prefill_keeps(space_models):
     selection = drafter.select_prompt_chunks(ids, 0.3, 8)
     with served(build_demo(target, drafter, tokenizer)) as url:
         client = Client(url, verbose=False)
-        page = client.predict(prompt, 0.3, 8, api_name="/prefill_chunks")
+        page = client.predict(prompt, 0.3, 8, 40, api_name="/prefill_chunks")
         with pytest.raises(Exception, match="Enter a prompt"):
-            client.predict(" ", 0.3, 8, api_name="/prefill_chunks")
+            client.predict(" ", 0.3, 8, 40, api_name="/prefill_chunks")
+        too_long = " ".join(["w1"] * 500)  # 500 tokens + 40 new ones: more than the target's 512 positions
+        with pytest.raises(Exception, match="The prompt has 500 tokens; with 40 new tokens it exceeds"):
+            client.predict(too_long, 0.3, 8, 40, api_name="/prefill_chunks")
     kept = [int(index) for index in re.findall(r'data-kept="true"[^>]*title="chunk (\d+),', page)]
     assert kept == sorted(selection.kept) and page.count('class="d3d-chunk"') == len(selection.spans)
     assert f"{selection.kept_length} of {ids.shape[1]} tokens" in page
+
+
+class CountingTokenizer:
+    """A real tokenizer whose `decode` counts the tokens it is given."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.decoded = 0
+
+    def decode(self, ids: list[int]) -> str:
+        self.decoded += len(ids)
+        return self.tokenizer.decode(ids)
+
+
+def selection_of(length: int, chunk_size: int) -> PromptSelection:
+    spans = chunk_spans(length, chunk_size)
+    scores = torch.linspace(0.1, 1.0, len(spans))
+    return PromptSelection(spans, scores, list(range(0, len(spans), 2)) + [len(spans) - 1], 0.5, chunk_size)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4])
+def test_the_chunk_html_decodes_a_number_of_tokens_linear_in_the_prompt_length(chunk_size):
+    tokenizer = byte_tokenizer()
+    decoded = []
+    for length in (300, 1200):
+        ids = torch.tensor([tokenizer("é€ abc ✓ " * length)["input_ids"][:length]])
+        counting = CountingTokenizer(tokenizer)
+        page = kept_chunks_html(counting, ids, selection_of(length, chunk_size))
+        assert page.count('class="d3d-chunk"') == len(chunk_spans(length, chunk_size))
+        decoded.append(counting.decoded)
+    assert decoded[0] <= 20 * 300 and decoded[1] <= 20 * 1200  # the whole prompt per chunk would be ~L^2 / chunk_size
+    assert decoded[1] <= 4.5 * decoded[0]
+
+
+@pytest.mark.parametrize("chunk_size", [1, 2, 3, 5])
+def test_chunk_texts_join_to_the_prompt_and_keep_split_characters_whole(chunk_size):
+    tokenizer = byte_tokenizer()
+    ids = tokenizer("héllo € wörld ✓ ünïcode 😀 end")["input_ids"]
+    texts = chunk_texts(tokenizer, ids, chunk_spans(len(ids), chunk_size))
+    assert "".join(texts) == tokenizer.decode(ids) == "héllo € wörld ✓ ünïcode 😀 end"
+    assert not any("\ufffd" in text for text in texts)
+
+
+def test_too_many_chunks_are_refused_with_the_smallest_chunk_size_that_fits():
+    check_chunk_count(MAX_CHUNKS, 1)
+    check_chunk_count(4 * MAX_CHUNKS, 4)
+    message = f"into {MAX_CHUNKS + 10} chunks; the preview shows at most {MAX_CHUNKS}: use a chunk size of at least 2"
+    with pytest.raises(ValueError, match=message):
+        check_chunk_count(MAX_CHUNKS + 10, 1)
+    with pytest.raises(ValueError, match="at least 5"):
+        check_chunk_count(4 * MAX_CHUNKS + 1, 4)
+
+
+def test_a_preview_prompt_that_generation_would_refuse_is_refused(space_models):
+    target, drafter, tokenizer = space_models
+    prompt = " ".join(["w1"] * 480)
+    assert 'class="d3d-chunk"' in prefill_preview(target, drafter, tokenizer, prompt, 0.3, 32, 32)
+    with pytest.raises(ValueError, match="The prompt has 480 tokens; with 33 new tokens it exceeds the target's 512"):
+        prefill_preview(target, drafter, tokenizer, prompt, 0.3, 32, 33)
+
+
+def test_the_queue_has_a_size_limit(space_models):
+    target, drafter, tokenizer = space_models
+    assert build_demo(target, drafter, tokenizer)._queue.max_size == DEFAULT_QUEUE_SIZE
+    assert build_demo(target, drafter, tokenizer, queue_size=3)._queue.max_size == 3
