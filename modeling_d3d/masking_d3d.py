@@ -104,4 +104,31 @@ def create_block_diffusion_mask(
     )
 
 
-__all__ = ["CAUSAL_BLOCK_ID", "block_diffusion_mask_function", "block_layout", "create_block_diffusion_mask"]
+def interval_mask(
+    config: PreTrainedConfig,
+    prefix_end: torch.Tensor,
+    own_start: torch.Tensor,
+    own_end: torch.Tensor,
+    kv_length: int,
+    dtype: torch.dtype,
+):
+    """The same rule in the cache columns of a `caches_d3d.StaticKVCache`, for the engine's passes.
+
+    Query `(r, j)` sees column `c` iff `c < prefix_end[r, j]` (its causal prefix: causal columns hold the token at
+    that position) or `own_start[r, j] <= c < own_end[r, j]` (its own block, placed in scratch columns). A causal
+    token at position `t` has `prefix_end = t + 1` and an empty own range; a block token sees the prefix before its
+    anchor and its block. All three `(rows, width)` long. Returns `(rows, 1, width, kv_length)`: boolean for sdpa,
+    additive for eager.
+    """
+    implementation = config._attn_implementation or "sdpa"
+    if implementation not in ("sdpa", "eager"):
+        raise ValueError(f"The D3D engine builds explicit masks for sdpa or eager attention, not {implementation!r}")
+    columns = torch.arange(kv_length, device=prefix_end.device)[None, None, :]
+    visible = (columns < prefix_end[..., None]) | ((columns >= own_start[..., None]) & (columns < own_end[..., None]))
+    visible = visible[:, None]
+    if implementation == "sdpa":
+        return visible
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, torch.finfo(dtype).min)
+
+
+__all__ = ["CAUSAL_BLOCK_ID", "block_diffusion_mask_function", "block_layout", "create_block_diffusion_mask", "interval_mask"]

@@ -1,0 +1,63 @@
+"""Preallocated KV caches for the engine: one buffer per layer, rows packed in slots `0..rows-1`, per-row lengths.
+
+A pass writes each row's new keys and values at the cache columns the caller chooses (`write_index`), and attends
+over the first `kv_length` columns of every row, under a mask the caller builds (`masking_d3d.interval_mask`). A
+row's *committed* length is host bookkeeping: rejected tokens are rolled back by not counting them, and the next
+pass overwrites their columns. Nothing is reallocated, cropped or concatenated in a round.
+
+Column `c` of a row holds the token at position `c` for its committed (causal) part; block tokens of a drafting pass
+go to scratch columns after it, which are never committed.
+"""
+
+import torch
+
+
+class StaticKVCache:
+    """Keys and values `(slots, kv_heads, capacity, head_dim)` per layer, for the HF decoder's `past_key_values`.
+
+    Before each forward call `plan(rows, write_index, kv_length)`: the pass covers rows `0..rows-1`, writes its
+    input column `j` of row `r` at cache column `write_index[r, j]`, and returns the columns `0..kv_length-1` for
+    attention. Not thread-safe: one pass at a time (the engine's drafter source owns its drafter cache).
+    """
+
+    def __init__(self, config, slots: int, capacity: int, device: torch.device, dtype: torch.dtype):
+        text = config.get_text_config()
+        heads = text.num_key_value_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        shape = (slots, heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(text.num_hidden_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(text.num_hidden_layers)]
+        self.slots, self.capacity, self.device = slots, capacity, torch.device(device)
+        self._rows, self._index, self._kv_length = slice(0, 0), None, 0
+
+    def plan(self, rows: int, write_index: torch.Tensor, kv_length: int, first_row: int = 0) -> None:
+        """Set up the next pass over slots `first_row..first_row + rows - 1`: `write_index` `(rows, width)` long cache
+        columns, `kv_length` columns attended."""
+        if first_row + rows > self.slots or kv_length > self.capacity:
+            raise ValueError(f"A pass over {rows} rows and {kv_length} columns does not fit a cache of {self.slots} "
+                             f"slots x {self.capacity} columns")
+        self._rows = slice(first_row, first_row + rows)
+        self._kv_length = kv_length
+        self._index = write_index.to(self.device, non_blocking=True)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write `(rows, kv_heads, width, head_dim)` states at the planned columns; return the attended columns."""
+        index = self._index[:, None, :, None].expand_as(key_states)
+        keys, values = self.keys[layer_idx][self._rows], self.values[layer_idx][self._rows]
+        keys.scatter_(2, index, key_states.to(keys.dtype))
+        values.scatter_(2, index, value_states.to(values.dtype))
+        return keys[:, :, : self._kv_length], values[:, :, : self._kv_length]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._kv_length
+
+    def move_row(self, source: int, destination: int, length: int) -> None:
+        """Copy the first `length` columns of slot `source` into slot `destination` (a row leaving the batch)."""
+        if source == destination or length == 0:
+            return
+        for buffers in (self.keys, self.values):
+            for layer in buffers:
+                layer[destination, :, :length] = layer[source, :, :length]
+
+
+__all__ = ["StaticKVCache"]

@@ -1,0 +1,398 @@
+"""The one decoding loop: batch-first speculative decoding over static caches.
+
+`SpeculativeEngine.step()` runs one round for every row:
+
+    source.propose(rows) -> verify (one target pass) -> accept (on the device) -> stop -> source.observe -> advance
+
+Rows live in cache slots `0..rows-1` of a preallocated `StaticKVCache` per model; a round writes the target's
+`[anchor, drafts]` at each row's own columns and commits what it accepts by moving the row's length (nothing is
+cropped, concatenated or gathered). A row that leaves hands its slot to the last row (one row copy). Without a
+source the engine decodes the target alone, one token per round, through the same loop. Every round is written to
+one `RoundRecord`, which the benchmark, the Space, the model card and the server read.
+"""
+
+import time
+from collections import Counter, deque
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+from .acceptance_d3d import greedy_accept, rejection_sample
+from .caches_d3d import StaticKVCache
+from .drafting_d3d import PassLayout, prefill, process, run_pass
+from .sources_d3d import RowSampling, synchronize
+
+
+@dataclass
+class RowSettings:
+    """How one row is decoded: at most `max_new_tokens`, stopping after any of `eos_token_ids` or when a
+    `stopping_criteria` entry fires (checked after every token, as `generate` does, so speculative rounds stop
+    exactly where the target alone stops); greedy or sampled through `logits_processor` (the target's processing,
+    applied to the drafter's and the target's logits); `seed` fixes this row's random draws."""
+
+    max_new_tokens: int
+    do_sample: bool = False
+    eos_token_ids: frozenset[int] = frozenset()
+    logits_processor: LogitsProcessorList = field(default_factory=LogitsProcessorList)
+    stopping_criteria: StoppingCriteriaList = field(default_factory=StoppingCriteriaList)
+    seed: int | None = None
+
+    def __post_init__(self):
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        # EOS and the length limit are the engine's own; the rest are checked token by token.
+        self.stopping_criteria = StoppingCriteriaList(
+            c for c in self.stopping_criteria if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria))
+        )
+
+
+@dataclass
+class Row:
+    """One sequence: the target's prompt, the drafter's (the same, or the full prompt under selective prefill), the
+    tokens generated so far, how many of the target's tokens its cache has committed, and its generators."""
+
+    key: Hashable
+    prompt: list[int]
+    drafter_prompt: list[int]
+    settings: RowSettings
+    sampling: RowSampling
+    verify_rng: torch.Generator
+    generated: list[int] = field(default_factory=list)
+    target_committed: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+    @property
+    def drafter_context(self) -> list[int]:
+        return self.drafter_prompt + self.generated
+
+
+@dataclass
+class RoundOutcome:
+    """What one round did to one row: the tokens it added, how many of them were drafts, whether it came from a
+    prepared branch, whether the row finished, or the error that ended it."""
+
+    key: Hashable
+    added: list[int]
+    finished: bool
+    drafted: int = 0
+    from_cache: bool = False
+    error: Exception | None = None
+
+
+@dataclass
+class RoundTiming:
+    """Seconds of one round: verify (the target pass), exposed drafting (the target waited for it), hidden drafting
+    (ran while the target verified), host (everything else in the round). verify + exposed + host = the round."""
+
+    verify: float
+    exposed_draft: float
+    hidden_draft: float
+    host: float
+
+    @property
+    def total(self) -> float:
+        return self.verify + self.exposed_draft + self.host
+
+
+@dataclass
+class RoundRecord:
+    """The only round record: totals over every round of an engine, and the latest rounds (bounded, for servers).
+
+    rounds: engine rounds; row_rounds: rounds summed over rows; new_tokens; accepted[n]: row rounds that added n
+    tokens; lookups / cache_hits: rows that searched prepared branches / were served by one; seconds: verify,
+    exposed and hidden drafting, host, and prefill."""
+
+    keep: int = 100_000
+    rounds: int = 0
+    row_rounds: int = 0
+    new_tokens: int = 0
+    accepted: Counter = field(default_factory=Counter)
+    lookups: int = 0
+    cache_hits: int = 0
+    verify_seconds: float = 0.0
+    exposed_draft_seconds: float = 0.0
+    hidden_draft_seconds: float = 0.0
+    host_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    history: deque = field(default_factory=deque)
+
+    def __post_init__(self):
+        self.history = deque(self.history, maxlen=self.keep)
+
+    def add(self, outcomes: list[RoundOutcome], looked_up: int, timing: RoundTiming) -> None:
+        self.rounds += 1
+        for outcome in outcomes:
+            if outcome.error is None:
+                self.row_rounds += 1
+                self.new_tokens += len(outcome.added)
+                self.accepted[len(outcome.added)] += 1
+                self.cache_hits += outcome.from_cache
+        self.lookups += looked_up
+        self.verify_seconds += timing.verify
+        self.exposed_draft_seconds += timing.exposed_draft
+        self.hidden_draft_seconds += timing.hidden_draft
+        self.host_seconds += timing.host
+        self.history.append((outcomes, timing))
+
+    @property
+    def tau(self) -> float:
+        """Tokens added per row per round, the target's own token included."""
+        return self.new_tokens / self.row_rounds if self.row_rounds else float("nan")
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.cache_hits / self.lookups if self.lookups else None
+
+    @property
+    def seconds(self) -> float:
+        """Round time: verify + exposed drafting + host."""
+        return self.verify_seconds + self.exposed_draft_seconds + self.host_seconds
+
+    def histogram(self, block_size: int) -> list[int]:
+        """`counts[n - 1]` = row rounds that added `n` tokens, `n = 1..block_size`."""
+        return [self.accepted.get(n, 0) for n in range(1, block_size + 1)]
+
+    def per_round(self, name: str) -> float:
+        """Milliseconds per round of `verify`, `exposed_draft`, `hidden_draft`, `host` or `total`."""
+        total = {"total": self.seconds}.get(name, getattr(self, f"{name}_seconds", None))
+        return 1000 * total / self.rounds if self.rounds else float("nan")
+
+
+def check_target(target) -> None:
+    """Raise `ValueError` unless the engine can run `target`: decoder-only, full attention in every layer, sdpa or
+    eager attention."""
+    config = target.config.get_text_config()
+    if target.config.is_encoder_decoder:
+        raise ValueError("The D3D engine decodes decoder-only targets")
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
+        raise ValueError("The D3D engine needs a target with full attention in every layer (no sliding windows)")
+    if (target.config._attn_implementation or "sdpa") not in ("sdpa", "eager"):
+        raise ValueError(f"The D3D engine runs sdpa or eager attention, not {target.config._attn_implementation!r}")
+
+
+class SpeculativeEngine:
+    """Batch-first speculative decoding: rows join (`add`), each `step` runs one round for all of them, and rows
+    leave when they finish, fail or are `remove`d. Greedy rows are token-identical to the target decoding them alone;
+    sampled rows follow the target's distribution.
+
+    target: a causal LM; source: a drafter source (`sources_d3d.BlockSource`, `SuccessorSource`) or None (the target
+    alone, one token a round); max_rows: cache slots; max_length: the longest prompt + new tokens a row may reach
+    (caches are sized for it); compile: `torch.compile` the target's verify pass ("reduce-overhead" on CUDA, i.e.
+    CUDA graphs; inductor on CPUs). Not thread-safe: one caller drives it (`serving_d3d.D3DBatchServer` for many).
+    """
+
+    def __init__(self, target, source=None, max_rows: int = 1, max_length: int = 2048, compile: bool = False,
+                 keep_rounds: int = 100_000):
+        check_target(target)
+        if source is not None:
+            vocab = target.config.get_text_config().vocab_size
+            if source.drafter.config.vocab_size != vocab:
+                raise ValueError(f"Drafter vocabulary size {source.drafter.config.vocab_size} differs from the "
+                                 f"target's {vocab}: a D3D drafter must use the target's tokenizer and embedding size")
+        if max_rows < 1 or max_length < 2:
+            raise ValueError(f"max_rows must be >= 1 and max_length >= 2, got {max_rows}, {max_length}")
+        self.target, self.source = target, source
+        self.width = source.block_size if source is not None else 1
+        self.max_rows, self.max_length = max_rows, max_length
+        self.device = target.get_input_embeddings().weight.device
+        self.cache = StaticKVCache(target.config, max_rows, max_length + self.width, self.device, target.dtype)
+        if source is not None:
+            source.allocate(max_rows, max_length + 1)
+        self.forward = compiled_forward(target) if compile else None
+        self.rows: list[Row] = []
+        self.record = RoundRecord(keep=keep_rounds)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def check_request(self, prompt: list[int], settings: RowSettings, drafter_prompt: list[int] | None = None) -> None:
+        """Raise `ValueError` unless `prompt` can be decoded with `settings` by this engine."""
+        vocab = self.target.config.get_text_config().vocab_size
+        for name, ids in (("prompt", prompt), ("drafter prompt", drafter_prompt)):
+            if ids is None:
+                continue
+            if not ids:
+                raise ValueError(f"A {name} needs at least one token")
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+                raise ValueError(f"{name.capitalize()} token ids must be integers in 0..{vocab - 1}")
+        longest = max(len(prompt), len(drafter_prompt or prompt)) + settings.max_new_tokens
+        if longest > self.max_length:
+            raise ValueError(f"prompt ({max(len(prompt), len(drafter_prompt or prompt))} tokens) + max_new_tokens "
+                             f"({settings.max_new_tokens}) exceeds this engine's max_length {self.max_length}")
+
+    @torch.no_grad()
+    def add(self, key: Hashable, prompt: list[int], settings: RowSettings, drafter_prompt: list[int] | None = None) -> None:
+        """Prefill `prompt` (all but its last token) in the target and the drafter's prompt in the drafter (the same
+        unless given: selective prefill), alone, and join the batch."""
+        self.check_request(prompt, settings, drafter_prompt)
+        if drafter_prompt is not None and drafter_prompt[-1] != prompt[-1]:
+            raise ValueError("The drafter's prompt must end with the target's last prompt token (the first anchor)")
+        if any(row.key == key for row in self.rows):
+            raise ValueError(f"A row with key {key!r} is already in the batch")
+        if len(self.rows) == self.max_rows:
+            raise ValueError(f"The engine holds {self.max_rows} rows already")
+        seed = settings.seed if settings.seed is not None else int(torch.randint(2**62, (1,)))
+        draft_device = self.source.device if self.source is not None else self.device
+        row = Row(
+            key, list(prompt), list(drafter_prompt or prompt), settings,
+            RowSampling(settings.logits_processor, settings.do_sample,
+                        torch.Generator(device=draft_device).manual_seed(2 * seed)),
+            torch.Generator(device=self.device).manual_seed(2 * seed + 1),
+            target_committed=len(prompt) - 1,
+        )
+        start = time.perf_counter()
+        slot = len(self.rows)
+        prefill(self.target, self.cache, slot, row.prompt[:-1])
+        if self.source is not None:
+            self.source.add(slot, row.drafter_context)
+        synchronize(self.device)
+        self.record.prefill_seconds += time.perf_counter() - start
+        self.rows.append(row)
+
+    def remove(self, keys: set[Hashable]) -> None:
+        """Drop the rows whose key is in `keys` (cancelled requests)."""
+        self._keep([i for i, row in enumerate(self.rows) if row.key not in keys])
+
+    def _keep(self, indices: list[int]) -> None:
+        """Keep the rows `indices` (in order), packing them into slots `0..len-1` (one row copy per moved row)."""
+        kept = set(indices)
+        for destination, source in enumerate(sorted(kept)):
+            if destination != source:
+                self.cache.move_row(source, destination, self.rows[source].target_committed)
+                if self.source is not None:
+                    self.source.move(source, destination)
+        self.rows = [self.rows[i] for i in sorted(kept)]
+
+    @torch.no_grad()
+    def step(self) -> list[RoundOutcome]:
+        """One round for every row; finished and failed rows leave. An exception of a per-row step (its logits
+        processors, criteria) ends that row only, with the error in its outcome; an exception of a batched pass
+        propagates (the engine cannot be trusted after it: make a new one)."""
+        if not self.rows:
+            return []
+        start = time.perf_counter()
+        proposal = None
+        if self.source is not None:
+            proposal = self.source.propose([row.drafter_context for row in self.rows],
+                                           [row.sampling for row in self.rows])
+        verify_start = time.perf_counter()
+        logits = self._verify(proposal)
+        synchronize(self.device)
+        verify_seconds = time.perf_counter() - verify_start
+        outcomes, accepted_drafts = self._accept(proposal, logits)
+        waited, hidden = 0.0, 0.0
+        if self.source is not None:
+            contexts = [row.drafter_context[: len(row.drafter_context) - len(o.added)] for row, o in zip(self.rows, outcomes)]
+            waited, hidden = self.source.observe(contexts, accepted_drafts)
+        survivors = []
+        for i, (row, outcome) in enumerate(zip(self.rows, outcomes)):
+            if not outcome.finished:
+                survivors.append(i)
+        self._keep(survivors)
+        exposed = (proposal.exposed_seconds if proposal is not None else 0.0) + waited
+        total = time.perf_counter() - start
+        timing = RoundTiming(verify_seconds, exposed, hidden, max(total - verify_seconds - exposed, 0.0))
+        self.record.add(outcomes, sum(proposal.looked_up) if proposal is not None else 0, timing)
+        return outcomes
+
+    def _verify(self, proposal) -> torch.Tensor:
+        """One target pass over `[anchor, drafts]` per row: logits `(rows, width, vocab)` float32; the cache gains the
+        columns, committed as far as accepted."""
+        rows = len(self.rows)
+        layout = PassLayout.empty(rows, self.width, 0)
+        anchors = torch.tensor([row.tokens[-1] for row in self.rows], dtype=torch.long)
+        for r, row in enumerate(self.rows):
+            layout.put_causal(r, 0, [0] * self.width, row.target_committed)
+        layout.ids[:, 0] = anchors
+        if proposal is not None:
+            layout.ids = layout.ids.to(self.device)
+            layout.ids[:, 1:] = proposal.drafts.to(self.device)
+        return run_pass(self.target, self.cache, layout, self.width, forward=self.forward)
+
+    def _accept(self, proposal, logits: torch.Tensor) -> tuple[list[RoundOutcome], list[int]]:
+        """Process the target's logits per row, accept (greedy or rejection sampling, batched), read the result
+        once, then cut every row at its stop. Returns the outcomes and each row's accepted drafts."""
+        rows, m = len(self.rows), self.width - 1
+        failed: dict[int, Exception] = {}
+        if proposal is not None:
+            drafts, num_drafts = proposal.drafts.to(self.device), proposal.num_drafts.to(self.device)
+        else:
+            drafts = torch.zeros(rows, 0, dtype=torch.long, device=self.device)
+            num_drafts = torch.zeros(rows, dtype=torch.long, device=self.device)
+        if any(row.settings.logits_processor for row in self.rows):
+            processed = []
+            for r, row in enumerate(self.rows):
+                try:
+                    processed.append(process(row.settings.logits_processor, row.tokens, logits[r], drafts[r]))
+                except Exception as error:  # this row's processing failed: it leaves, the others go on
+                    failed[r] = error
+                    processed.append(logits[r])
+            logits = torch.stack(processed)
+        accepted, tokens = greedy_accept(drafts, num_drafts, logits)
+        sampled = [r for r, row in enumerate(self.rows) if row.settings.do_sample and r not in failed]
+        if sampled:
+            index = torch.tensor(sampled, device=self.device)
+            q = proposal.logits.to(self.device)[index] if proposal is not None else logits.new_zeros(len(sampled), 0, logits.shape[-1])
+            sampled_accepted, sampled_tokens = rejection_sample(
+                drafts[index], num_drafts[index], q, logits[index], [self.rows[r].verify_rng for r in sampled])
+            accepted[index], tokens[index] = sampled_accepted, sampled_tokens
+        host = torch.cat([accepted[:, None], tokens], dim=1).cpu().tolist()  # the round's one device-to-host read
+        outcomes, kept = [], []
+        for r, row in enumerate(self.rows):
+            if r in failed:
+                outcomes.append(RoundOutcome(row.key, [], True, error=failed[r]))
+                kept.append(0)
+                continue
+            count = host[r][0]
+            try:
+                added, finished = self._stop(row, host[r][1 : count + 2], logits[r])
+            except Exception as error:
+                outcomes.append(RoundOutcome(row.key, [], True, error=error))
+                kept.append(0)
+                continue
+            row.generated += added
+            row.target_committed += len(added)
+            hit = proposal is not None and proposal.hits[r]
+            outcomes.append(RoundOutcome(row.key, added, finished, drafted=min(count, len(added)), from_cache=hit))
+            kept.append(min(count, len(added)))
+        return outcomes, kept
+
+    @staticmethod
+    def _stop(row: Row, added: list[int], logits: torch.Tensor) -> tuple[list[int], bool]:
+        """Cut `added` where the target alone would stop: the length limit, the first EOS, or the first token after
+        which a stopping criterion fires (each checked with the sequence up to that token). Returns the tokens kept
+        and whether the row ends."""
+        settings = row.settings
+        added = added[: settings.max_new_tokens - len(row.generated)]
+        for index, token in enumerate(added):
+            if token in settings.eos_token_ids:
+                added = added[: index + 1]
+                return added, True
+        if settings.stopping_criteria:
+            tokens = torch.tensor([row.tokens + added], device=logits.device)
+            start = len(row.tokens)
+            for index in range(len(added)):
+                if bool(settings.stopping_criteria(tokens[:, : start + index + 1], logits[index : index + 1]).any()):
+                    return added[: index + 1], True
+        return added, len(row.generated) + len(added) >= settings.max_new_tokens
+
+    def close(self) -> None:
+        """Stop the source's worker, if any."""
+        if self.source is not None:
+            self.source.close()
+
+
+def compiled_forward(model):
+    """`model.forward` compiled for fixed shapes: CUDA graphs ("reduce-overhead") on CUDA, inductor elsewhere."""
+    mode = "reduce-overhead" if model.device.type == "cuda" else None
+    return torch.compile(model.forward, mode=mode, dynamic=False, fullgraph=False)
+
+
+__all__ = ["Row", "RowSettings", "RoundOutcome", "RoundRecord", "RoundTiming", "SpeculativeEngine", "check_target",
+           "compiled_forward"]

@@ -1,0 +1,317 @@
+"""Drafter sources: where the engine's candidates come from, behind one small interface.
+
+A source owns the drafter, its `StaticKVCache` and per-slot state; the engine owns the rows and their slots.
+
+- `allocate(slots, capacity)`, `add(slot, context)` (prefill), `move(source, destination)` (a row changing slot);
+- `propose(contexts, sampling) -> Proposal`: drafts for every row (the context ends with the anchor);
+- `observe(contexts, accepted)`: how many of each row's drafts verification kept (the contexts before the round);
+- `close()`.
+
+`BlockSource` drafts one block per round, synchronously. `SuccessorSource` also prepares, on a worker thread while the
+target verifies, the next block for each likely outcome (one packed pass), and serves the next round from it when
+the verified tokens match a branch. Selective prefill is not a source of its own: a row's drafter context may
+start with another prompt than the target's (the full one), which both sources read.
+"""
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+from transformers import LogitsProcessorList
+
+from .caches_d3d import StaticKVCache
+from .drafting_d3d import block_pass, choose, plan_alternatives, prefill, process, successor_pass
+
+DEFAULT_COVERAGE = 12
+DEFAULT_FANOUT = 2
+
+
+def check_budget(block_size: int, coverage: int, fanout: int) -> None:
+    """Raise `ValueError` unless `coverage` is an integer in `1..block_size` and `fanout` an integer >= 0."""
+    integers = all(isinstance(v, int) and not isinstance(v, bool) for v in (coverage, fanout))
+    if not integers or not 1 <= coverage <= block_size or fanout < 0:
+        raise ValueError(f"coverage must be an integer in 1..{block_size} and fanout an integer >= 0, got "
+                         f"coverage={coverage!r}, fanout={fanout!r}")
+
+
+@dataclass
+class RowSampling:
+    """How a row turns drafter logits into drafts: the target's processors, argmax or sampling, its generator."""
+
+    logits_processor: LogitsProcessorList = field(default_factory=LogitsProcessorList)
+    do_sample: bool = False
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class Proposal:
+    """One round's candidates. drafts `(rows, m)` long and num_drafts `(rows,)` (real drafts per row; the rest is
+    padding); logits `(rows, m, vocab)` processed (q = softmax), None when no row samples; looked_up / hits: per row,
+    whether prepared branches were searched and whether one served it; exposed_seconds: drafting the target waited
+    for."""
+
+    drafts: torch.Tensor
+    num_drafts: torch.Tensor
+    logits: torch.Tensor | None
+    looked_up: list[bool]
+    hits: list[bool]
+    exposed_seconds: float = 0.0
+    hidden_seconds: float = 0.0
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued work on `device` (CUDA runs asynchronously), so wall-clock timings are real."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def drafts_from_logits(raw: torch.Tensor, contexts: list[list[int]], sampling: list[RowSampling]):
+    """Per row: its processors over raw block logits `(rows, m, vocab)` (context: its tokens), then argmax or a draw.
+    Returns drafts `(rows, m)`, the processed logits `(rows, m, vocab)` (the raw ones when no row has processors)
+    and whether any row samples (then q = softmax of them matters)."""
+    if not any(s.logits_processor or s.do_sample for s in sampling):
+        return raw.argmax(-1), raw
+    rows = torch.stack([process(s.logits_processor, context, raw[r]) for r, (context, s) in enumerate(zip(contexts, sampling))])
+    drafts = torch.stack([choose(logits, s.do_sample, s.generator) for logits, s in zip(rows, sampling)])
+    return drafts, rows
+
+
+class BlockSource:
+    """Synchronous block drafting: each round one block pass drafts `B - 1` tokens for every row."""
+
+    scratch_blocks = 2  # the block and the padding of a block pass, beyond a row's context
+
+    def __init__(self, drafter, forward=None):
+        if drafter.config.mask_token_id is None:
+            raise ValueError("The drafter has no mask_token_id; it cannot draft blocks")
+        self.drafter, self.forward = drafter, forward
+        self.block_size = drafter.config.block_size
+        self.cache: StaticKVCache | None = None
+        self.committed: list[int] = []
+
+    @property
+    def device(self) -> torch.device:
+        return self.drafter.get_input_embeddings().weight.device
+
+    def allocate(self, slots: int, capacity: int) -> None:
+        """A cache for `slots` rows of contexts up to `capacity` tokens (plus this source's scratch columns)."""
+        columns = capacity + self.scratch_blocks * self.block_size
+        self.cache = StaticKVCache(self.drafter.config, slots, columns, self.device, self.drafter.dtype)
+        self.committed = [0] * slots
+
+    def add(self, slot: int, context: list[int]) -> None:
+        prefill(self.drafter, self.cache, slot, context[:-1])
+        self.committed[slot] = len(context) - 1
+
+    def move(self, source: int, destination: int) -> None:
+        self.cache.move_row(source, destination, self.committed[source])
+        self.committed[destination] = self.committed[source]
+
+    def propose(self, contexts: list[list[int]], sampling: list[RowSampling]) -> Proposal:
+        start = time.perf_counter()
+        drafts, logits = self._draft_all(contexts, sampling)
+        synchronize(self.device)
+        rows = len(contexts)
+        return Proposal(drafts, torch.full((rows,), self.block_size - 1, device=drafts.device),
+                        logits if any(s.do_sample for s in sampling) else None, [False] * rows, [False] * rows,
+                        time.perf_counter() - start)
+
+    def _draft_all(self, contexts: list[list[int]], sampling: list[RowSampling]):
+        """One block pass for every row: drafts `(rows, B - 1)` and their processed logits."""
+        raw = block_pass(self.drafter, self.cache, contexts, self.committed[: len(contexts)], self.forward)
+        for row, context in enumerate(contexts):
+            self.committed[row] = len(context) - 1
+        return drafts_from_logits(raw, contexts, sampling)
+
+    def observe(self, contexts: list[list[int]], accepted: list[int]) -> tuple[float, float]:
+        """Nothing to do: the cache holds each row's tokens before its old anchor, a prefix of its new context.
+        Returns the drafting seconds the target waited for here and those hidden behind verification (none)."""
+        return 0.0, 0.0
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+@dataclass
+class PreparedBranches:
+    """A row's successor branches: `base` = its context length when they were planned; `keys[key] = k` where `key`
+    is what the verified tokens must add after `base`; tokens `(K, B - 1)` with `counts[k]` real ones; ranked
+    `(K, B - 1, F + 1)` the drafter's top tokens per position (to plan the branches after them); logits `(K, B - 1,
+    vocab)` processed, kept only when the row samples (q)."""
+
+    base: int
+    keys: dict[tuple[int, ...], int]
+    tokens: torch.Tensor
+    counts: list[int]
+    ranked: torch.Tensor
+    logits: torch.Tensor | None
+
+
+class SuccessorSource(BlockSource):
+    """Asynchronous successor drafting. coverage `C` and fanout `F`: branches for the first `C - 1` rejection
+    positions times the `F` most probable other drafter tokens, plus the full-acceptance branch (budget
+    `B((C - 1)F + 2)` tokens a row). device: where the drafter runs (e.g. `"cuda:1"` beside a target on `cuda:0`);
+    on CUDA the worker uses its own stream. worker_threads: torch threads of the worker (CPU-only machines).
+
+    Each `propose` serves every row from its branches when the verified tokens match one (a hit: no drafting
+    pass), drafts the others with one block pass, then queues the packed successor pass for the new drafts on the
+    worker; `observe` joins it and commits what verification kept.
+    """
+
+    def __init__(self, drafter, coverage: int | None = None, fanout: int = DEFAULT_FANOUT, device=None,
+                 worker_threads: int | None = None, forward=None):
+        block_size = drafter.config.block_size
+        coverage = min(DEFAULT_COVERAGE, block_size) if coverage is None else coverage
+        check_budget(block_size, coverage, fanout)
+        if worker_threads is not None and (isinstance(worker_threads, bool) or not isinstance(worker_threads, int)
+                                           or worker_threads < 1):
+            raise ValueError(f"worker_threads must be an integer >= 1, got {worker_threads!r}")
+        super().__init__(drafter.to(device) if device is not None else drafter, forward)
+        self.coverage, self.fanout = coverage, fanout
+        self.budget_tokens = block_size * ((coverage - 1) * fanout + 2)
+        self.scratch_blocks = (coverage - 1) * fanout + 4
+        self.branches: list[PreparedBranches | None] = []
+        self._pending: Future | None = None
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="d3d-drafter",
+            initializer=torch.set_num_threads if worker_threads else None,
+            initargs=(worker_threads,) if worker_threads else (),
+        )
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    def allocate(self, slots: int, capacity: int) -> None:
+        self.wait()
+        super().allocate(slots, capacity)
+        self.branches = [None] * slots
+
+    def add(self, slot: int, context: list[int]) -> None:
+        self.wait()
+        super().add(slot, context)
+        self.branches[slot] = None
+
+    def move(self, source: int, destination: int) -> None:
+        self.wait()
+        super().move(source, destination)
+        self.branches[destination] = self.branches[source]
+
+    def propose(self, contexts: list[list[int]], sampling: list[RowSampling]) -> Proposal:
+        start = time.perf_counter()
+        self.wait()
+        rows, width, sampled = len(contexts), self.block_size - 1, any(s.do_sample for s in sampling)
+        looked_up = [self.branches[r] is not None for r in range(rows)]
+        found = [self._lookup(r, contexts[r]) for r in range(rows)]
+        if all(index is not None for index in found):
+            first = self.branches[0]
+            drafts = first.tokens.new_zeros(rows, width)
+            ranked = first.ranked.new_zeros(rows, width, first.ranked.shape[-1])
+            logits = torch.zeros(rows, width, self.drafter.config.vocab_size, device=drafts.device) if sampled else None
+        else:
+            drafts, processed = self._draft_all(contexts, sampling)
+            ranked = processed.topk(min(self.fanout + 1, processed.shape[-1]), dim=-1).indices
+            logits = processed if sampled else None
+        counts = [width] * rows
+        for r, index in enumerate(found):
+            if index is None:
+                continue
+            branch = self.branches[r]
+            counts[r] = branch.counts[index]
+            drafts[r], ranked[r] = branch.tokens[index], branch.ranked[index]
+            if logits is not None and branch.logits is not None:
+                logits[r] = branch.logits[index]
+            self.committed[r] = len(contexts[r]) - 1  # the successor pass cached its context before the anchor
+        self.branches[:rows] = [None] * rows
+        num_drafts = torch.tensor(counts, device=drafts.device)
+        synchronize(self.device)
+        exposed = time.perf_counter() - start
+        self._pending = self._executor.submit(self._prepare, contexts, drafts, num_drafts, ranked, logits, sampling)
+        return Proposal(drafts, num_drafts, logits, looked_up, [index is not None for index in found], exposed)
+
+    def _lookup(self, row: int, context: list[int]) -> int | None:
+        branch = self.branches[row]
+        if branch is None:
+            return None
+        index = branch.keys.get(tuple(context[branch.base :]))
+        return index if index is not None and branch.counts[index] > 0 else None
+
+    def _prepare(self, contexts, drafts, num_drafts, ranked, logits, sampling) -> tuple[list[PreparedBranches], float]:
+        """Worker: plan every row's branches and draft them in one packed pass; returns them and the seconds taken."""
+        start = time.perf_counter()
+        if self._stream is None:
+            prepared = self._branches_for(contexts, drafts, num_drafts, ranked, sampling)
+        else:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                prepared = self._branches_for(contexts, drafts, num_drafts, ranked, sampling)
+        synchronize(self.device)
+        return prepared, time.perf_counter() - start
+
+    @torch.no_grad()
+    def _branches_for(self, contexts, drafts, num_drafts, ranked, sampling) -> list[PreparedBranches]:
+        rows, block_size = len(contexts), self.block_size
+        alternatives = plan_alternatives(drafts, ranked, self.coverage, self.fanout).tolist()
+        draft_lists = [d[:n] for d, n in zip(drafts.tolist(), num_drafts.tolist())]
+        anchors, keys = [], []
+        for r, row_drafts in enumerate(draft_lists):
+            row_anchors, row_keys = [], {}
+            for j in range(min(self.coverage - 1, len(row_drafts))):
+                for token in alternatives[r][j]:
+                    row_keys.setdefault(tuple(row_drafts[:j]) + (token,), len(row_anchors))
+                    row_anchors.append((token, j))
+            row_anchors.append((row_drafts[-1], len(row_drafts) - 1))
+            anchors.append(row_anchors)
+            keys.append(row_keys)
+        raw = successor_pass(self.drafter, self.cache, contexts, self.committed[:rows], draft_lists, anchors,
+                             self.forward)
+        prepared = []
+        for r in range(rows):
+            row_sampling, blocks = sampling[r], len(anchors[r])
+            prefixes = [contexts[r] + draft_lists[r][:j] + [token] for token, j in anchors[r][:-1]]
+            prefixes.append(contexts[r] + draft_lists[r])
+            processed = torch.stack([process(row_sampling.logits_processor, prefix, raw[r, k])
+                                     for k, prefix in enumerate(prefixes)])
+            tokens = torch.stack([choose(block, row_sampling.do_sample, row_sampling.generator) for block in processed])
+            keys[r].setdefault(tuple(draft_lists[r]) + (int(tokens[-1, 0]),), blocks - 1)
+            tokens[-1] = torch.cat([tokens[-1, 1:], tokens.new_zeros(1)])  # full acceptance: after the guess
+            processed[-1] = torch.cat([processed[-1, 1:], processed.new_zeros(1, processed.shape[-1])])
+            ranked_tokens = processed.topk(min(self.fanout + 1, processed.shape[-1]), dim=-1).indices
+            counts = [block_size - 1] * (blocks - 1) + [block_size - 2]
+            prepared.append(PreparedBranches(len(contexts[r]), keys[r], tokens, counts, ranked_tokens,
+                                             processed if row_sampling.do_sample else None))
+        return prepared
+
+    def observe(self, contexts: list[list[int]], accepted: list[int]) -> tuple[float, float]:
+        """Join the worker; commit each row's context and accepted drafts; keep the branches. Returns the seconds
+        waited for the worker (drafting the target did not hide) and the worker's seconds hidden behind it."""
+        if self._pending is None:
+            return 0.0, 0.0
+        start = time.perf_counter()
+        pending, self._pending = self._pending, None
+        prepared, worker_seconds = pending.result()
+        waited = time.perf_counter() - start
+        for r, (context, kept) in enumerate(zip(contexts, accepted)):
+            self.committed[r] = len(context) + kept
+            self.branches[r] = prepared[r]
+        return waited, max(worker_seconds - waited, 0.0)
+
+    def wait(self) -> None:
+        """Let a running worker pass end and drop its branches (its error is raised here)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+__all__ = ["BlockSource", "DEFAULT_COVERAGE", "DEFAULT_FANOUT", "PreparedBranches", "Proposal", "RowSampling",
+           "SuccessorSource", "check_budget", "drafts_from_logits", "synchronize"]
