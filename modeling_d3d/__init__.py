@@ -1,16 +1,24 @@
-"""D3D drafter model code. Flat files with relative imports only: the folder ships to the Hub as remote code."""
+"""D3D drafter model code. Flat files with relative imports only: the folder ships to the Hub as remote code.
 
-from .async_d3d import D3DAssistedGenerator
-from .batched_d3d import BatchStats, D3DAsyncBatchDecoder, D3DBatchDecoder, RowSettings, batched_speculative_generate
+Layers, bottom up: `configuration_d3d`, `masking_d3d`, `network_d3d` (weights and forward passes); `caches_d3d`,
+`drafting_d3d`, `acceptance_d3d`; `sources_d3d` (drafter sources); `engine_d3d` (the one loop); front doors:
+`generation_d3d` (`custom_generate`), `assistant_d3d` (`assistant_model=`), `prefill_d3d`, `serving_d3d`, and
+`modeling_d3d.D3DForBlockDiffusion` (the class users load).
+"""
+
+from .assistant_d3d import D3DAssistant, D3DAssistedGenerator
 from .configuration_d3d import D3DConfig
-from .modeling_d3d import D3DBlockDraft, D3DForBlockDiffusion, D3DPackedOutput, choose_mask_token_id
-from .prefill_d3d import PromptSelection, SelectivePrefillDrafter, SelectivePrefillOutput, d3d_generate, select_prompt_chunks
+from .engine_d3d import RoundOutcome, RoundRecord, RoundTiming, RowSettings, SpeculativeEngine
+from .generation_d3d import speculative_generate
+from .modeling_d3d import D3DForBlockDiffusion
+from .network_d3d import D3DBlockDiffusionModel, D3DBlockDraft, D3DPackedOutput, choose_mask_token_id
+from .prefill_d3d import PromptSelection, SelectivePrefillOutput, d3d_generate, select_prompt_chunks
 from .serving_d3d import D3DBatchServer, RequestHandle
-from .speculative_d3d import SpeculativeStats
+from .sources_d3d import BlockSource, SuccessorSource
 
 __all__ = [
-    "BatchStats", "D3DAssistedGenerator", "D3DAsyncBatchDecoder", "D3DBatchDecoder", "D3DBatchServer", "D3DBlockDraft",
-    "D3DConfig", "D3DForBlockDiffusion", "D3DPackedOutput", "PromptSelection", "RequestHandle", "RowSettings",
-    "SelectivePrefillDrafter", "SelectivePrefillOutput", "SpeculativeStats", "batched_speculative_generate",
-    "choose_mask_token_id", "d3d_generate", "select_prompt_chunks",
+    "BlockSource", "D3DAssistant", "D3DAssistedGenerator", "D3DBatchServer", "D3DBlockDiffusionModel", "D3DBlockDraft",
+    "D3DConfig", "D3DForBlockDiffusion", "D3DPackedOutput", "PromptSelection", "RequestHandle", "RoundOutcome",
+    "RoundRecord", "RoundTiming", "RowSettings", "SelectivePrefillOutput", "SpeculativeEngine", "SuccessorSource",
+    "choose_mask_token_id", "d3d_generate", "select_prompt_chunks", "speculative_generate",
 ]

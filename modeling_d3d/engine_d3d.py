@@ -273,7 +273,7 @@ class SpeculativeEngine:
     def step(self) -> list[RoundOutcome]:
         """One round for every row; finished and failed rows leave. An exception of a per-row step (its logits
         processors, criteria) ends that row only, with the error in its outcome; an exception of a batched pass
-        propagates (the engine cannot be trusted after it: make a new one)."""
+        propagates (call `reset` before going on)."""
         if not self.rows:
             return []
         start = time.perf_counter()
@@ -381,6 +381,15 @@ class SpeculativeEngine:
                 if bool(settings.stopping_criteria(tokens[:, : start + index + 1], logits[index : index + 1]).any()):
                     return added[: index + 1], True
         return added, len(row.generated) + len(added) >= settings.max_new_tokens
+
+    def reset(self) -> None:
+        """Drop every row (after a failed batched pass, whose cache writes cannot be trusted); the caches stay."""
+        if self.source is not None and hasattr(self.source, "wait"):
+            try:
+                self.source.wait()
+            except Exception:  # the failed round's worker pass: its branches are dropped with the rows
+                pass
+        self.rows = []
 
     def close(self) -> None:
         """Stop the source's worker, if any."""

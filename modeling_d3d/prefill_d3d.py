@@ -12,12 +12,11 @@
    (a chunk is taken when `kept + size / 2 <= retention * L`). The kept length is therefore within one chunk of
    `retention * L`. Kept chunks keep their original order; the reduced prompt is their concatenation.
 3. **Decoding.** The target prefills only the reduced prompt and decodes with ordinary D3D speculative decoding,
-   target-verified on the reduced prompt. The drafter keeps its own cache of the FULL prompt (the probe's prefill,
-   reused) followed by the accepted tokens: each round the target's sequence `reduced + generated` is mapped to
-   `full + generated` before drafting.
+   target-verified on the reduced prompt, through the engine: the row's drafter context is the FULL prompt followed
+   by the generated tokens (the drafter prefills the full prompt in its own cache), the target's the reduced one.
 
 With `retention < 1` the output is the target's output on the reduced prompt, not on the full prompt; with
-`retention == 1` `d3d_generate` is exactly `target.generate(input_ids, assistant_model=drafter)`.
+`retention == 1` `d3d_generate` is exactly D3D decoding of the full prompt through the engine.
 """
 
 from dataclasses import dataclass
@@ -28,7 +27,8 @@ from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .masking_d3d import block_layout
-from .speculative_d3d import AssistantFacade, AssistantSession, SpeculativeStats, crop_to_common_prefix, draft_round
+from .engine_d3d import RoundRecord
+from .generation_d3d import speculative_generate
 
 DEFAULT_CHUNK_SIZE = 32
 PROBE_BLOCK_SIZE = 2
@@ -78,14 +78,13 @@ class SelectivePrefillOutput:
     output: what `target.generate` returned (a tensor, or a `GenerateDecoderOnlyOutput` with
     `return_dict_in_generate=True`), on `prompt_ids`; prompt_ids: `(1, R)` the prompt the target read (the input
     itself when nothing was dropped); selection: the chunks (None for `selective_prefill=1`, where no probe runs);
-    stats: the drafter's statistics, settled; assistant: the `SelectivePrefillDrafter` that drafted (None for 1).
+    stats: the engine's round record of the call.
     """
 
     output: torch.LongTensor | GenerateDecoderOnlyOutput
     prompt_ids: torch.LongTensor
     selection: PromptSelection | None
-    stats: SpeculativeStats | None
-    assistant: "SelectivePrefillDrafter | None" = None
+    stats: RoundRecord
 
     @property
     def sequences(self) -> torch.LongTensor:
@@ -202,57 +201,6 @@ def select_prompt_chunks(
     return choose_chunks(token_scores, retention, chunk_size)
 
 
-class SelectivePrefillDrafter(AssistantFacade):
-    """Stands in for a D3D drafter in `target.generate(reduced_prompt, assistant_model=...)` when the target reads
-    only the kept chunks: the drafter still drafts from the full prompt.
-
-    full_prompt: `(1, L)`; reduced_prompt: `(1, R)` what the target reads; past_key_values: a drafter cache holding a
-    prefix of `full_prompt[:, :-1]` (the probe's), or None. Each round maps the target's verified sequence
-    `reduced + generated` to `full + generated` and runs the plain D3D round (`speculative_d3d.draft_round`). The
-    drafter cache, keyed by the token ids it holds (`cached_ids`), keeps the full prompt and the accepted tokens.
-    """
-
-    def __init__(
-        self,
-        drafter,
-        full_prompt: torch.LongTensor,
-        reduced_prompt: torch.LongTensor,
-        past_key_values: DynamicCache | None = None,
-    ):
-        self.drafter = drafter
-        self.full_prompt = full_prompt.to(drafter.device)
-        self.reduced_prompt = reduced_prompt.to(drafter.device)
-        self.cache = past_key_values if past_key_values is not None else DynamicCache(config=drafter.config)
-        self.cached_ids: list[int] = full_prompt[0, : self.cache.get_seq_length()].tolist()
-        self._session: AssistantSession | None = None
-
-    def drafter_view(self, input_ids: torch.LongTensor) -> torch.LongTensor:
-        """`(1, R + n)` the target's sequence -> `(1, L + n)` the full prompt followed by the same `n` tokens."""
-        reduced_length = self.reduced_prompt.shape[1]
-        input_ids = input_ids.to(self.device)
-        if input_ids.shape[1] < reduced_length or not torch.equal(input_ids[:, :reduced_length], self.reduced_prompt):
-            raise ValueError("This SelectivePrefillDrafter was prepared for another prompt than the target's")
-        return torch.cat([self.full_prompt, input_ids[:, reduced_length:]], dim=1)
-
-    def generate(self, input_ids: torch.LongTensor, generation_config=None, logits_processor=None, **kwargs):
-        """One round of transformers' assisted loop: a block drafted from the full prompt + generated tokens."""
-        if generation_config is None or not getattr(generation_config, "is_assistant", False):
-            raise ValueError("SelectivePrefillDrafter drafts for target.generate(..., assistant_model=...) only")
-        session = kwargs.get("past_key_values")
-        if session is None or session is not self._session:
-            session = self._session = AssistantSession(input_ids)
-        drafter_ids = self.drafter_view(input_ids)
-        prefix = drafter_ids[0, :-1].tolist()
-        crop_to_common_prefix(self.cache, self.cached_ids, prefix)
-        output = draft_round(
-            self.drafter, input_ids, drafter_ids, self.cache, session.stats, generation_config.do_sample,
-            logits_processor, kwargs.get("max_new_tokens"),
-        )
-        self.cached_ids = prefix
-        output.past_key_values = session
-        return output
-
-
 def d3d_generate(
     target,
     drafter,
@@ -264,35 +212,32 @@ def d3d_generate(
     """D3D speculative decoding, optionally with selective prefill.
 
     input_ids: `(1, L)`; selective_prefill: retention rho in (0, 1]. At 1 this is exactly
-    `target.generate(input_ids, assistant_model=drafter, **generate_kwargs)`. Below 1 the drafter's probe picks the
+    `target.generate(input_ids, custom_generate=speculative_generate, drafter=drafter, **generate_kwargs)`. Below 1
+    the drafter's probe picks the
     chunks (`select_prompt_chunks`), the target generates from the reduced prompt with the drafter drafting from the
-    full one (`SelectivePrefillDrafter`); an `attention_mask` in `generate_kwargs` is reduced alike.
+    full one (`drafter_input_ids`: the engine's rows read another prompt in the drafter); an `attention_mask` in
+    `generate_kwargs` is reduced alike.
     """
     check_prefill_arguments(input_ids, selective_prefill, chunk_size)
-    if "assistant_model" in generate_kwargs:
-        raise ValueError("d3d_generate drafts with `drafter`; do not pass assistant_model")
+    if "assistant_model" in generate_kwargs or "custom_generate" in generate_kwargs:
+        raise ValueError("d3d_generate drafts with `drafter`; do not pass assistant_model or custom_generate")
+    record = RoundRecord()
+    engine_kwargs = dict(custom_generate=speculative_generate, drafter=drafter, round_record=record)
     if selective_prefill == 1.0:
-        drafter.generation_stats = None
-        output = target.generate(input_ids, assistant_model=drafter, **generate_kwargs)
-        result = SelectivePrefillOutput(output, input_ids, None, drafter.generation_stats)
-    else:
-        token_scores, cache = probe_token_importance(drafter, input_ids)
-        selection = choose_chunks(token_scores, selective_prefill, chunk_size)
-        reduced = selection.reduce(input_ids)
-        if generate_kwargs.get("attention_mask") is not None:
-            generate_kwargs["attention_mask"] = selection.reduce(generate_kwargs["attention_mask"])
-        assistant = SelectivePrefillDrafter(drafter, input_ids, reduced, cache)
-        output = target.generate(reduced.to(target.device), assistant_model=assistant, **generate_kwargs)
-        result = SelectivePrefillOutput(output, reduced, selection, assistant.generation_stats, assistant)
-    if result.stats is not None:
-        result.stats.settle(result.sequences.cpu())
-    return result
+        output = target.generate(input_ids, **engine_kwargs, **generate_kwargs)
+        return SelectivePrefillOutput(output, input_ids, None, record)
+    token_scores, _ = probe_token_importance(drafter, input_ids)
+    selection = choose_chunks(token_scores, selective_prefill, chunk_size)
+    reduced = selection.reduce(input_ids)
+    if generate_kwargs.get("attention_mask") is not None:
+        generate_kwargs["attention_mask"] = selection.reduce(generate_kwargs["attention_mask"])
+    output = target.generate(reduced.to(target.device), drafter_input_ids=input_ids, **engine_kwargs, **generate_kwargs)
+    return SelectivePrefillOutput(output, reduced, selection, record)
 
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "PromptSelection",
-    "SelectivePrefillDrafter",
     "SelectivePrefillOutput",
     "check_prefill_arguments",
     "choose_chunks",

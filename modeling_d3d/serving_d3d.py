@@ -1,7 +1,7 @@
 """Request-level batched D3D decoding for serving code: submit a prompt with its settings, receive its tokens as they
 are accepted, cancel it; many threads may submit at once.
 
-`D3DBatchServer` owns one `batched_d3d.D3DBatchDecoder` and a scheduler thread. Between rounds the scheduler drops
+`D3DBatchServer` owns one `engine_d3d.SpeculativeEngine` and a scheduler thread. Between rounds the scheduler drops
 cancelled rows and admits waiting requests (each prefilled alone, up to `max_batch_size` rows: continuous batching);
 then it runs one round for every row and hands each request its new tokens. A failure in one request's processing
 fails that request only; a failure of a batched pass fails the requests of that batch and the server goes on with
@@ -14,10 +14,14 @@ from concurrent.futures import CancelledError
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
-from .async_d3d import DEFAULT_FANOUT
-from .batched_d3d import BatchStats, D3DAsyncBatchDecoder, D3DBatchDecoder, RowSettings
+from .network_d3d import check_compatibility
+from .engine_d3d import RoundRecord, RowSettings, SpeculativeEngine
+from .generation_d3d import check_generation_settings, eos_ids, make_source
+from .sources_d3d import DEFAULT_FANOUT
+
+DEFAULT_MAX_LENGTH = 4096
 
 _END = object()
 
@@ -121,7 +125,9 @@ class D3DBatchServer:
 
     target: the causal LM; drafter: a `D3DForBlockDiffusion` for it; max_batch_size: rows decoded together (further
     requests wait for a free row); asynchronous: prepare successor blocks on a worker thread while the target
-    verifies (`D3DAsyncBatchDecoder`, with `coverage` and `fanout`). Use as a context manager or call `close()`.
+    verifies (`sources_d3d.SuccessorSource`, with `coverage` and `fanout`); max_length: the longest prompt + new
+    tokens a request may reach (the static caches are sized for `max_batch_size` rows of it; default the target's
+    positions, at most 4096); tokenizer: for requests with `stop_strings`. Use as a context manager or `close()`.
     """
 
     def __init__(
@@ -132,14 +138,19 @@ class D3DBatchServer:
         asynchronous: bool = False,
         coverage: int | None = None,
         fanout: int = DEFAULT_FANOUT,
+        max_length: int | None = None,
+        tokenizer=None,
     ):
-        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
-        self.target = target
+        if drafter is not None:
+            check_compatibility(drafter, target)
+        self.target, self.tokenizer = target, tokenizer
         self.max_batch_size = max_batch_size
-        self._decoder = (
-            D3DAsyncBatchDecoder(target, drafter, coverage, fanout) if asynchronous else D3DBatchDecoder(target, drafter)
-        )
+        positions = getattr(target.config.get_text_config(), "max_position_embeddings", None) or DEFAULT_MAX_LENGTH
+        max_length = min(positions, DEFAULT_MAX_LENGTH) if max_length is None else max_length
+        self._decoder = SpeculativeEngine(target, make_source(drafter, asynchronous, coverage, fanout, None, None),
+                                          max_rows=max_batch_size, max_length=max_length, keep_rounds=1000)
         self._queues = _Queues([], {})
         self._next_id = 0
         self._condition = threading.Condition()
@@ -148,9 +159,9 @@ class D3DBatchServer:
         self._thread.start()
 
     @property
-    def stats(self) -> BatchStats:
-        """Totals over every round so far (tau = tokens per row per round)."""
-        return self._decoder.stats
+    def stats(self) -> RoundRecord:
+        """The engine's round record: totals over every round so far (tau = tokens per row per round)."""
+        return self._decoder.record
 
     def submit(
         self,
@@ -160,11 +171,13 @@ class D3DBatchServer:
         eos_token_id: int | list[int] | None = None,
         seed: int | None = None,
         logits_processor: LogitsProcessorList | None = None,
+        stopping_criteria: StoppingCriteriaList | None = None,
         **generation_settings,
     ) -> RequestHandle:
         """Queue a prompt (`(1, L)`, `(L,)` or a list of ids). `generation_settings` (`temperature`, `top_k`,
         `top_p`, `repetition_penalty`, ...) go into a copy of the target's generation config, from which the target's
-        own logits processors are built, as `generate` builds them; `logits_processor` adds processors of your own.
+        own logits processors and stopping criteria are built, as `generate` builds them (`stop_strings` needs the
+        server's `tokenizer`); `logits_processor` and `stopping_criteria` add your own.
         `do_sample` and `eos_token_id` default to the target's generation config; `seed` fixes this request's random
         draws. Raises `ValueError` for a request the server cannot decode."""
         ids = torch.as_tensor(input_ids)
@@ -180,6 +193,7 @@ class D3DBatchServer:
         if do_sample is not None:
             config.do_sample = do_sample
         config.validate()
+        check_generation_settings(config)
         processors = self.target._get_logits_processor(
             generation_config=config,
             input_ids_seq_length=len(prompt),
@@ -187,10 +201,16 @@ class D3DBatchServer:
             logits_processor=LogitsProcessorList(logits_processor or []),
             device=str(self.target.device),
         )
-        eos = config.eos_token_id if eos_token_id is None else eos_token_id
-        eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        if config.stop_strings and self.tokenizer is None:
+            raise ValueError("stop_strings need the tokenizer: D3DBatchServer(..., tokenizer=tokenizer)")
+        config._eos_token_tensor = None  # EOS is the engine's own (`eos_token_ids`)
+        criteria = self.target._get_stopping_criteria(
+            generation_config=config, stopping_criteria=StoppingCriteriaList(stopping_criteria or []),
+            tokenizer=self.tokenizer)
+        if eos_token_id is not None:
+            config.eos_token_id = eos_token_id
         seed = seed if seed is not None else int(torch.randint(2**62, (1,)))
-        settings = RowSettings(max_new_tokens, bool(config.do_sample), eos_ids, processors, seed)
+        settings = RowSettings(max_new_tokens, bool(config.do_sample), eos_ids(config), processors, criteria, seed)
         self._decoder.check_request(prompt, settings)
         with self._condition:
             if self._closed:
@@ -216,6 +236,7 @@ class D3DBatchServer:
                 self._decoder.reset()
                 self._end_all(error)
         self._end_all(CancelledError("the D3DBatchServer was closed"))
+        self._decoder.close()
 
     def _schedule_round(self) -> bool:
         """Drop cancelled rows, admit waiting requests, run one round; False once closed."""

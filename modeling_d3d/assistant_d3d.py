@@ -1,0 +1,165 @@
+"""The `assistant_model=` adapter: transformers' own assisted loop drives a drafter source (one sequence).
+
+`target.generate(ids, assistant_model=drafter)` and `target.generate(ids, assistant_model=D3DAssistedGenerator(...))`
+keep working, lossless, through transformers' loop: each round it calls `assistant.generate(verified_prefix)`, and
+the adapter tells the source what the previous round accepted (read off the new prefix: transformers reports
+nothing else), then proposes. That loop cannot use static caches for the target, calls a nested `generate` per
+round and verifies one sequence; `custom_generate=speculative_generate` (the engine) is the fast path.
+"""
+
+import time
+
+import torch
+from transformers import LogitsProcessorList
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .engine_d3d import RoundOutcome, RoundRecord, RoundTiming
+from .sources_d3d import DEFAULT_FANOUT, BlockSource, RowSampling, SuccessorSource
+
+INITIAL_CAPACITY = 1024
+
+
+class AssistantSession:
+    """What transformers' assisted loop holds in the assistant's `past_key_values` slot for one `generate` call. It
+    reports no cached tokens, so transformers never crops it; the source keeps the drafter cache itself."""
+
+    def __init__(self, prompt: list[int], sampling: RowSampling):
+        self.prompt, self.sampling = prompt, sampling
+        self.context: list[int] | None = None  # the prefix of the last proposal
+        self.drafts: list[int] = []
+        self.hit = False
+        self.looked_up = False
+        self.returned_at = 0.0
+        self.exposed = 0.0
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def crop(self, max_length: int) -> None:
+        return None
+
+
+class D3DAssistant:
+    """Stands in for an assistant model in `target.generate(..., assistant_model=assistant)`, drafting with `source`
+    (a `BlockSource` or `SuccessorSource`). `generation_stats`: the `RoundRecord` of the latest call; `settle(output)`
+    closes its last round. One `generate` call at a time."""
+
+    def __init__(self, source):
+        self.source = source
+        self.drafter = source.drafter
+        self.generation_stats: RoundRecord | None = None
+        self._session: AssistantSession | None = None
+        self._capacity = 0
+
+    @property
+    def config(self):
+        return self.drafter.config
+
+    @property
+    def generation_config(self):
+        return self.drafter.generation_config
+
+    @property
+    def device(self) -> torch.device:
+        return self.source.device
+
+    def _supports_logits_to_keep(self) -> bool:
+        return False
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.LongTensor, generation_config=None, logits_processor=None, **kwargs):
+        """One round of transformers' assisted loop: drafts for the verified prefix `(1, L)`."""
+        if generation_config is None or not getattr(generation_config, "is_assistant", False):
+            raise ValueError("This D3D assistant drafts for target.generate(..., assistant_model=...) only")
+        context = input_ids[0].tolist()
+        session = kwargs.get("past_key_values")
+        if session is None or session is not self._session:
+            session = self._start(context, logits_processor, generation_config.do_sample)
+        else:
+            self._observe(session, context)
+        if len(context) + 2 > self._capacity:
+            self._start(context, logits_processor, generation_config.do_sample, self._capacity * 2)
+            session = self._session
+        proposal = self.source.propose([context], [session.sampling])
+        keep = min(int(proposal.num_drafts[0]), kwargs.get("max_new_tokens") or proposal.drafts.shape[1])
+        session.context, session.exposed = context, proposal.exposed_seconds
+        session.hit, session.looked_up = proposal.hits[0], proposal.looked_up[0]
+        session.drafts = proposal.drafts[0, :keep].tolist()
+        scores = proposal.logits[0, :keep] if proposal.logits is not None else torch.zeros(
+            keep, self.drafter.config.vocab_size, device=proposal.drafts.device)
+        session.returned_at = time.perf_counter()
+        return GenerateDecoderOnlyOutput(
+            sequences=torch.cat([input_ids.to(proposal.drafts.device), proposal.drafts[:, :keep]], dim=1),
+            scores=tuple(scores[j][None] for j in range(keep)),
+            past_key_values=session,
+        )
+
+    def _start(self, context: list[int], logits_processor, do_sample: bool, capacity: int | None = None):
+        """A new session (a new `generate` call, or a longer one than the cache holds): allocate and prefill."""
+        if isinstance(self.source, SuccessorSource):
+            self.source.wait()  # a pass queued for an earlier call
+        self._capacity = max(capacity or 0, len(context) + INITIAL_CAPACITY)
+        self.source.allocate(1, self._capacity + 1)
+        self.source.add(0, context)
+        sampling = RowSampling(LogitsProcessorList(logits_processor or []), bool(do_sample),
+                               torch.Generator(device=self.source.device).manual_seed(int(torch.randint(2**62, (1,)))))
+        if capacity is None or self._session is None:
+            self._session = AssistantSession(context, sampling)
+            self.generation_stats = RoundRecord()
+        else:
+            self._session.context = None
+        return self._session
+
+    def _observe(self, session: AssistantSession, context: list[int]) -> None:
+        """Read the previous round's outcome off the new prefix, tell the source, and record the round."""
+        if session.context is None:
+            return
+        added = context[len(session.context):]
+        accepted = 0
+        while accepted < min(len(session.drafts), len(added) - 1) and session.drafts[accepted] == added[accepted]:
+            accepted += 1
+        verify = time.perf_counter() - session.returned_at
+        waited, hidden = self.source.observe([session.context], [accepted])
+        outcome = RoundOutcome(0, added[: accepted + 1], False, drafted=accepted, from_cache=session.hit)
+        self.generation_stats.add([outcome], int(session.looked_up), RoundTiming(verify, session.exposed + waited, hidden, 0.0))
+        for token in added[accepted + 1 :]:  # rounds transformers ran without asking for drafts (one token left)
+            self.generation_stats.add([RoundOutcome(0, [token], False)], 0, RoundTiming(0.0, 0.0, 0.0, 0.0))
+        session.context = None
+
+    def settle(self, sequences: torch.Tensor) -> RoundRecord:
+        """Close the last round from the output `(1, length)` of the `generate` call; returns the record."""
+        session = self._session
+        if session is not None and session.context is not None:
+            output = sequences.reshape(-1).tolist()
+            if output[: len(session.context)] != session.context:
+                raise ValueError("This output belongs to another generate call than the assistant's last one")
+            self._observe(session, output)
+        return self.generation_stats
+
+    def close(self) -> None:
+        self.source.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+class D3DAssistedGenerator(D3DAssistant):
+    """Asynchronous D3D drafting for `target.generate(..., assistant_model=generator)`: a `SuccessorSource` with
+    coverage `C`, fanout `F` on `device`, `worker_threads` torch threads for its worker (see `sources_d3d`)."""
+
+    def __init__(self, drafter, device=None, coverage: int | None = None, fanout: int = DEFAULT_FANOUT,
+                 worker_threads: int | None = None):
+        super().__init__(SuccessorSource(drafter, coverage, fanout, device=device, worker_threads=worker_threads))
+        self.coverage, self.fanout = self.source.coverage, self.source.fanout
+        self.budget_tokens = self.source.budget_tokens
+
+
+def block_assistant(drafter) -> D3DAssistant:
+    """The synchronous adapter, for `assistant_model=drafter`."""
+    return D3DAssistant(BlockSource(drafter))
+
+
+__all__ = ["AssistantSession", "D3DAssistant", "D3DAssistedGenerator", "block_assistant"]

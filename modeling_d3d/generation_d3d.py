@@ -1,0 +1,166 @@
+"""The engine's `generate` front door: `target.generate(ids, custom_generate=speculative_generate, drafter=...)`.
+
+transformers prepares everything a `generate` call implies (generation config, logits processors, stopping
+criteria, streamer) and hands it here; this builds one engine row per sequence and runs `SpeculativeEngine.step`
+until every row ends. Batches of left-padded prompts, greedy and sampling, streamers (one sequence), stop strings,
+custom stopping criteria, EOS and `max_new_tokens` behave as in the target's own `generate`.
+"""
+
+import torch
+from transformers import LogitsProcessorList
+from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .engine_d3d import RoundRecord, RowSettings, SpeculativeEngine
+from .sources_d3d import DEFAULT_FANOUT, BlockSource, SuccessorSource
+
+# generate settings whose processors depend on the prompt's length: built per row when prompts are padded.
+LENGTH_DEPENDENT_SETTINGS = ("min_length", "min_new_tokens", "forced_eos_token_id", "begin_suppress_tokens",
+                             "exponential_decay_length_penalty")
+UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+
+
+def check_generation_settings(generation_config, synced_gpus: bool = False) -> None:
+    """Raise `ValueError` for `generate` settings the engine does not run (beam search, contrastive search, DoLa,
+    several sequences per prompt, per-step outputs, classifier-free guidance), never a silent substitute."""
+    mode = generation_config.get_generation_mode()
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        raise ValueError(f"D3D speculative decoding runs greedy decoding or sampling, not {mode.value.replace('_', ' ')} "
+                         f"(num_beams={generation_config.num_beams}); drop those settings or decode without a drafter")
+    if (generation_config.num_return_sequences or 1) > 1:
+        raise ValueError("num_return_sequences > 1 is not supported by D3D speculative decoding; repeat the prompt "
+                         "in the batch instead")
+    used = [name for name in UNSUPPORTED_OUTPUTS if getattr(generation_config, name, False)]
+    if used:
+        raise ValueError(f"{', '.join(used)} are not returned by D3D speculative decoding")
+    if generation_config.guidance_scale not in (None, 1.0):
+        raise ValueError("guidance_scale (classifier-free guidance) is not supported by D3D speculative decoding")
+    if synced_gpus:
+        raise ValueError("synced_gpus is not supported by D3D speculative decoding")
+
+
+def eos_ids(generation_config) -> frozenset[int]:
+    eos = getattr(generation_config, "_eos_token_tensor", None)
+    if eos is None:
+        eos = generation_config.eos_token_id
+    if eos is None:
+        return frozenset()
+    return frozenset(torch.as_tensor(eos).reshape(-1).tolist())
+
+
+def row_processors(model, generation_config, logits_processor: LogitsProcessorList, prompt: torch.Tensor,
+                   padded: bool) -> LogitsProcessorList:
+    """The processors of one row. When prompts are padded and a setting depends on the prompt's length, generate's
+    processors (built for the padded width) are rebuilt for this row's own length; processors a user passed in
+    `logits_processor=` are kept as they are."""
+    if not padded or not any(getattr(generation_config, name, None) for name in LENGTH_DEPENDENT_SETTINGS):
+        return logits_processor
+    built = model._get_logits_processor(generation_config, input_ids_seq_length=prompt.shape[0],
+                                        encoder_input_ids=prompt[None], device=prompt.device)
+    built_types = {type(p) for p in built}
+    return LogitsProcessorList([*built, *(p for p in logits_processor if type(p) not in built_types)])
+
+
+def make_source(drafter, asynchronous: bool, coverage, fanout, drafter_device, worker_threads):
+    """The drafter source for these settings: None (the target alone), block drafting, or successor drafting."""
+    if drafter is None:
+        if asynchronous:
+            raise ValueError("asynchronous=True needs drafter=<a D3DForBlockDiffusion>")
+        return None
+    if asynchronous:
+        return SuccessorSource(drafter, coverage, fanout, device=drafter_device, worker_threads=worker_threads)
+    if drafter_device is not None:
+        drafter.to(drafter_device)
+    return BlockSource(drafter)
+
+
+def speculative_generate(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria,
+    generation_config,
+    synced_gpus: bool = False,
+    streamer=None,
+    drafter=None,
+    asynchronous: bool = False,
+    coverage: int | None = None,
+    fanout: int = DEFAULT_FANOUT,
+    drafter_device=None,
+    worker_threads: int | None = None,
+    drafter_input_ids: torch.LongTensor | None = None,
+    compile: bool = False,
+    round_record: RoundRecord | None = None,
+    **model_kwargs,
+):
+    """`target.generate(input_ids, custom_generate=speculative_generate, drafter=drafter, ...)`.
+
+    input_ids: `(batch, P)` prompts, left-padded with their `attention_mask`; each row is decoded as if alone.
+    drafter: a `D3DForBlockDiffusion` (None: the target alone through the engine). asynchronous: successor drafting
+    on a worker thread (`coverage`, `fanout`, `drafter_device`, `worker_threads`). drafter_input_ids: `(1, L)` the
+    prompt the drafter reads when the target reads a reduced one (selective prefill; batch of one). compile:
+    compiled verify pass. round_record: a `RoundRecord` to fill (also left in `drafter.generation_stats`).
+    Returns `(batch, P + longest)` sequences, rows that end early padded with `pad_token_id` (or a
+    `GenerateDecoderOnlyOutput` with `return_dict_in_generate=True`).
+    """
+    check_generation_settings(generation_config, synced_gpus)
+    batch = input_ids.shape[0]
+    if streamer is not None and batch > 1:
+        raise ValueError("Streamers take one sequence; use serving_d3d.D3DBatchServer to stream many requests")
+    if drafter_input_ids is not None and batch > 1:
+        raise ValueError("drafter_input_ids (selective prefill) takes one prompt")
+    attention_mask = model_kwargs.get("attention_mask")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    padded = bool((attention_mask == 0).any())
+    prompts = [input_ids[r][attention_mask[r].bool()] for r in range(batch)]
+    drafter_prompt = drafter_input_ids[0].tolist() if drafter_input_ids is not None else None
+    max_new_tokens = generation_config.max_length - input_ids.shape[1]
+    longest_prompt = max([len(p) for p in prompts] + [len(drafter_prompt or [])])
+    source = make_source(drafter, asynchronous, coverage, fanout, drafter_device, worker_threads)
+    engine = SpeculativeEngine(model, source, max_rows=batch, max_length=longest_prompt + max_new_tokens,
+                               compile=compile)
+    if round_record is not None:
+        engine.record = round_record
+    if drafter is not None:
+        drafter.generation_stats = engine.record
+    generated: dict[int, list[int]] = {r: [] for r in range(batch)}
+    try:
+        for r, prompt in enumerate(prompts):
+            settings = RowSettings(max_new_tokens, bool(generation_config.do_sample), eos_ids(generation_config),
+                                   row_processors(model, generation_config, logits_processor, prompt, padded),
+                                   stopping_criteria)
+            engine.add(r, prompt.tolist(), settings, drafter_prompt)
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        while len(engine):
+            for outcome in engine.step():
+                if outcome.error is not None:
+                    raise outcome.error
+                generated[outcome.key] += outcome.added
+                if streamer is not None and outcome.added:
+                    streamer.put(torch.tensor(outcome.added))
+    finally:
+        engine.close()
+    if streamer is not None:
+        streamer.end()
+    sequences = pad_outputs(input_ids, generated, generation_config)
+    if generation_config.return_dict_in_generate:
+        return GenerateDecoderOnlyOutput(sequences=sequences)
+    return sequences
+
+
+def pad_outputs(input_ids: torch.LongTensor, generated: dict[int, list[int]], generation_config) -> torch.LongTensor:
+    """`(batch, P + longest)`: each row's prompt and new tokens, padded after them as `generate` pads."""
+    pad = generation_config.pad_token_id
+    if pad is None:
+        pad = next(iter(sorted(eos_ids(generation_config))), 0)
+    pad = int(torch.as_tensor(pad).reshape(-1)[0])
+    longest = max(len(tokens) for tokens in generated.values())
+    tail = torch.full((input_ids.shape[0], longest), pad, dtype=input_ids.dtype)
+    for r, tokens in generated.items():
+        tail[r, : len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
+    return torch.cat([input_ids, tail.to(input_ids.device)], dim=1)
+
+
+__all__ = ["LENGTH_DEPENDENT_SETTINGS", "check_generation_settings", "make_source", "speculative_generate"]
