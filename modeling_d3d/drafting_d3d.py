@@ -79,10 +79,11 @@ def run_pass(model, cache: StaticKVCache, layout: PassLayout, logits_to_keep: in
              forward=None) -> torch.Tensor:
     """One forward of `model` (a target or a drafter) over `layout` on cache rows `first_row..`; returns the float32
     logits of the last `logits_to_keep` input columns, `(rows, logits_to_keep, vocab)`. `forward`: a compiled
-    `model.forward` to use instead (same arguments)."""
+    `model.forward` to use instead (same arguments); it attends over every cache column, so its shapes stay fixed
+    from round to round (eager passes attend over the columns in use only)."""
     device = cache.device
     rows = layout.ids.shape[0]
-    kv_length = layout.kv_length()
+    kv_length = cache.capacity if forward is not None else layout.kv_length()
     cache.plan(rows, layout.write_index, kv_length, first_row)
     mask = interval_mask(
         model.config, layout.prefix_end.to(device), layout.own_start.to(device), layout.own_end.to(device), kv_length,
@@ -95,6 +96,12 @@ def run_pass(model, cache: StaticKVCache, layout: PassLayout, logits_to_keep: in
     return output.logits.float()
 
 
+def compiled_forward(model):
+    """`model.forward` compiled for fixed shapes: CUDA graphs ("reduce-overhead") on CUDA, inductor elsewhere."""
+    mode = "reduce-overhead" if model.device.type == "cuda" else None
+    return torch.compile(model.forward, mode=mode, dynamic=False)
+
+
 def prefill(model, cache: StaticKVCache, slot: int, tokens: list[int]) -> None:
     """Commit `tokens` (a prompt without its last token) to cache row `slot`, alone."""
     if not tokens:
@@ -104,14 +111,15 @@ def prefill(model, cache: StaticKVCache, slot: int, tokens: list[int]) -> None:
     run_pass(model, cache, layout, 1, first_row=slot)
 
 
-def block_layout_for_rows(contexts: list[list[int]], committed: list[int], block_size: int, mask_id: int) -> PassLayout:
+def block_layout_for_rows(contexts: list[list[int]], committed: list[int], block_size: int, mask_id: int,
+                          fixed: bool = False) -> PassLayout:
     """The block pass: per row `[padding, uncached tokens before the anchor, anchor, M x (B - 1)]`, the block always in
-    the last `B` input columns. The uncached part is padded to at least `B` columns (its size after any round), so
-    the shape is fixed from round to round."""
+    the last `B` input columns. The uncached part is as wide as the widest row's, or with `fixed` at least `B`
+    columns (its size after any round), so that the shape stays the same from round to round (compiled passes)."""
     uncached = [len(context) - 1 - done for context, done in zip(contexts, committed)]
     if min(uncached) < 0:
         raise ValueError("A drafter cache holds more tokens than its row's prefix before the anchor")
-    causal_width = max([block_size, *uncached])
+    causal_width = max([block_size if fixed else 0, *uncached])
     layout = PassLayout.empty(len(contexts), causal_width + block_size, mask_id)
     for row, (context, done, count) in enumerate(zip(contexts, committed, uncached)):
         pad = causal_width - count
@@ -126,7 +134,7 @@ def block_pass(drafter, cache: StaticKVCache, contexts: list[list[int]], committ
     """Draft the `B - 1` tokens after every row's anchor in one pass: raw logits `(rows, B - 1, vocab)` float32. On
     return each row's cache holds its whole prefix before the anchor (commit `len(context) - 1`)."""
     block_size = drafter.config.block_size
-    layout = block_layout_for_rows(contexts, committed, block_size, drafter.config.mask_token_id)
+    layout = block_layout_for_rows(contexts, committed, block_size, drafter.config.mask_token_id, forward is not None)
     return run_pass(drafter, cache, layout, block_size - 1, forward=forward)
 
 
@@ -173,13 +181,15 @@ def plan_alternatives(drafts: torch.Tensor, ranked: torch.Tensor, coverage: int,
 
 
 def successor_layout(contexts: list[list[int]], committed: list[int], drafts: list[list[int]],
-                     anchors: list[list[tuple[int, int]]], block_size: int, mask_id: int) -> tuple[PassLayout, int]:
+                     anchors: list[list[tuple[int, int]]], block_size: int, mask_id: int,
+                     fixed: bool = False) -> tuple[PassLayout, int]:
     """ONE packed pass: per row `[padding, uncached tokens, drafts, block_1, ..., block_K]`. anchors[r] lists its
     blocks as `(token, j)`: the block `[token, M, ...]` sits at position `len(context) + j` and sees the context and
     the first `j` drafts (the full-acceptance branch is `(drafts[-1], len(drafts) - 1)`). Rows with fewer blocks
-    repeat their last one. Blocks and padding go to scratch columns. Returns the layout and the blocks per row."""
+    repeat their last one. Blocks and padding go to scratch columns; `fixed`: the causal part at least `2B` wide
+    (fixed shapes). Returns the layout and the blocks per row."""
     uncached = [len(context) - done + len(row_drafts) for context, done, row_drafts in zip(contexts, committed, drafts)]
-    causal_width = max([2 * block_size, *uncached])
+    causal_width = max([2 * block_size if fixed else 0, *uncached])
     blocks = max(len(row) for row in anchors)
     layout = PassLayout.empty(len(contexts), causal_width + blocks * block_size, mask_id)
     masks = [mask_id] * (block_size - 1)
@@ -200,12 +210,13 @@ def successor_pass(drafter, cache: StaticKVCache, contexts: list[list[int]], com
     """Raw logits `(rows, blocks, B - 1, vocab)` of every branch block's masked positions (see `successor_layout`).
     On return each row's cache holds its context and drafts (commit as far as verification accepts)."""
     block_size = drafter.config.block_size
-    layout, blocks = successor_layout(contexts, committed, drafts, anchors, block_size, drafter.config.mask_token_id)
+    layout, blocks = successor_layout(contexts, committed, drafts, anchors, block_size, drafter.config.mask_token_id,
+                                      forward is not None)
     logits = run_pass(drafter, cache, layout, blocks * block_size, forward=forward)
     return logits.reshape(len(contexts), blocks, block_size, -1)[:, :, 1:]
 
 
 __all__ = [
-    "PassLayout", "block_layout_for_rows", "block_pass", "choose", "context_free", "plan_alternatives",
+    "PassLayout", "block_layout_for_rows", "compiled_forward", "block_pass", "choose", "context_free", "plan_alternatives",
     "prefill", "process", "run_pass", "successor_layout", "successor_pass",
 ]

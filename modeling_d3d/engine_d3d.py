@@ -22,7 +22,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 
 from .acceptance_d3d import greedy_accept, rejection_sample
 from .caches_d3d import StaticKVCache
-from .drafting_d3d import PassLayout, prefill, process, run_pass
+from .drafting_d3d import PassLayout, compiled_forward, prefill, process, run_pass
 from .sources_d3d import RowSampling, synchronize
 
 
@@ -184,7 +184,8 @@ class SpeculativeEngine:
     target: a causal LM; source: a drafter source (`sources_d3d.BlockSource`, `SuccessorSource`) or None (the target
     alone, one token a round); max_rows: cache slots; max_length: the longest prompt + new tokens a row may reach
     (caches are sized for it); compile: `torch.compile` the target's verify pass ("reduce-overhead" on CUDA, i.e.
-    CUDA graphs; inductor on CPUs). Not thread-safe: one caller drives it (`serving_d3d.D3DBatchServer` for many).
+    CUDA graphs; inductor on CPUs; one compilation per batch size; give the source a compiled forward too, see
+    `generation_d3d.make_source`). Not thread-safe: one caller drives it (`serving_d3d.D3DBatchServer` for many).
     """
 
     def __init__(self, target, source=None, max_rows: int = 1, max_length: int = 2048, compile: bool = False,
@@ -397,11 +398,4 @@ class SpeculativeEngine:
             self.source.close()
 
 
-def compiled_forward(model):
-    """`model.forward` compiled for fixed shapes: CUDA graphs ("reduce-overhead") on CUDA, inductor elsewhere."""
-    mode = "reduce-overhead" if model.device.type == "cuda" else None
-    return torch.compile(model.forward, mode=mode, dynamic=False, fullgraph=False)
-
-
-__all__ = ["Row", "RowSettings", "RoundOutcome", "RoundRecord", "RoundTiming", "SpeculativeEngine", "check_target",
-           "compiled_forward"]
+__all__ = ["Row", "RowSettings", "RoundOutcome", "RoundRecord", "RoundTiming", "SpeculativeEngine", "check_target"]

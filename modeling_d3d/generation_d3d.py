@@ -12,6 +12,7 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .engine_d3d import RoundRecord, RowSettings, SpeculativeEngine
+from .drafting_d3d import compiled_forward
 from .sources_d3d import DEFAULT_FANOUT, BlockSource, SuccessorSource
 
 # generate settings whose processors depend on the prompt's length: built per row when prompts are padded.
@@ -61,17 +62,19 @@ def row_processors(model, generation_config, logits_processor: LogitsProcessorLi
     return LogitsProcessorList([*built, *(p for p in logits_processor if type(p) not in built_types)])
 
 
-def make_source(drafter, asynchronous: bool, coverage, fanout, drafter_device, worker_threads):
-    """The drafter source for these settings: None (the target alone), block drafting, or successor drafting."""
+def make_source(drafter, asynchronous: bool, coverage, fanout, drafter_device, worker_threads, compile: bool = False):
+    """The drafter source for these settings: None (the target alone), block drafting, or successor drafting;
+    `compile`: its drafting passes compiled (`drafting_d3d.compiled_forward`)."""
     if drafter is None:
         if asynchronous:
             raise ValueError("asynchronous=True needs drafter=<a D3DForBlockDiffusion>")
         return None
-    if asynchronous:
-        return SuccessorSource(drafter, coverage, fanout, device=drafter_device, worker_threads=worker_threads)
     if drafter_device is not None:
         drafter.to(drafter_device)
-    return BlockSource(drafter)
+    forward = compiled_forward(drafter) if compile else None
+    if asynchronous:
+        return SuccessorSource(drafter, coverage, fanout, worker_threads=worker_threads, forward=forward)
+    return BlockSource(drafter, forward=forward)
 
 
 def speculative_generate(
@@ -99,7 +102,7 @@ def speculative_generate(
     drafter: a `D3DForBlockDiffusion` (None: the target alone through the engine). asynchronous: successor drafting
     on a worker thread (`coverage`, `fanout`, `drafter_device`, `worker_threads`). drafter_input_ids: `(1, L)` the
     prompt the drafter reads when the target reads a reduced one (selective prefill; batch of one). compile:
-    compiled verify pass. round_record: a `RoundRecord` to fill (also left in `drafter.generation_stats`).
+    compiled verify and drafting passes (fixed shapes; the first call compiles). round_record: a `RoundRecord` to fill (also left in `drafter.generation_stats`).
     Returns `(batch, P + longest)` sequences, rows that end early padded with `pad_token_id` (or a
     `GenerateDecoderOnlyOutput` with `return_dict_in_generate=True`).
     """
@@ -117,7 +120,7 @@ def speculative_generate(
     drafter_prompt = drafter_input_ids[0].tolist() if drafter_input_ids is not None else None
     max_new_tokens = generation_config.max_length - input_ids.shape[1]
     longest_prompt = max([len(p) for p in prompts] + [len(drafter_prompt or [])])
-    source = make_source(drafter, asynchronous, coverage, fanout, drafter_device, worker_threads)
+    source = make_source(drafter, asynchronous, coverage, fanout, drafter_device, worker_threads, compile)
     engine = SpeculativeEngine(model, source, max_rows=batch, max_length=longest_prompt + max_new_tokens,
                                compile=compile)
     if round_record is not None:
