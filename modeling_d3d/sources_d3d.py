@@ -271,20 +271,27 @@ class SuccessorSource(BlockSource):
                              self.forward)
         prepared = []
         for r in range(rows):
-            row_sampling, blocks = sampling[r], len(anchors[r])
-            prefixes = [contexts[r] + draft_lists[r][:j] + [token] for token, j in anchors[r][:-1]]
-            prefixes.append(contexts[r] + draft_lists[r])
-            processed = torch.stack([process(row_sampling.logits_processor, prefix, raw[r, k])
-                                     for k, prefix in enumerate(prefixes)])
-            tokens = torch.stack([choose(block, row_sampling.do_sample, row_sampling.generator) for block in processed])
-            keys[r].setdefault(tuple(draft_lists[r]) + (int(tokens[-1, 0]),), blocks - 1)
-            tokens[-1] = torch.cat([tokens[-1, 1:], tokens.new_zeros(1)])  # full acceptance: after the guess
-            processed[-1] = torch.cat([processed[-1, 1:], processed.new_zeros(1, processed.shape[-1])])
-            ranked_tokens = processed.topk(min(self.fanout + 1, processed.shape[-1]), dim=-1).indices
-            counts = [block_size - 1] * (blocks - 1) + [block_size - 2]
-            prepared.append(PreparedBranches(len(contexts[r]), keys[r], tokens, counts, ranked_tokens,
-                                             processed if row_sampling.do_sample else None))
+            try:
+                prepared.append(self._row_branches(contexts[r], draft_lists[r], anchors[r], keys[r], raw[r], sampling[r]))
+            except Exception:  # this row's processing failed: it misses next round, where its drafting reports it
+                prepared.append(None)
         return prepared
+
+    def _row_branches(self, context, row_drafts, row_anchors, row_keys, raw, row_sampling) -> PreparedBranches:
+        """One row's branches from its raw successor logits `(blocks, B - 1, vocab)`."""
+        block_size, blocks = self.block_size, len(row_anchors)
+        prefixes = [context + row_drafts[:j] + [token] for token, j in row_anchors[:-1]]
+        prefixes.append(context + row_drafts)
+        processed = torch.stack([process(row_sampling.logits_processor, prefix, raw[k])
+                                 for k, prefix in enumerate(prefixes)])
+        tokens = torch.stack([choose(block, row_sampling.do_sample, row_sampling.generator) for block in processed])
+        row_keys.setdefault(tuple(row_drafts) + (int(tokens[-1, 0]),), blocks - 1)
+        tokens[-1] = torch.cat([tokens[-1, 1:], tokens.new_zeros(1)])  # full acceptance: after the guess
+        processed[-1] = torch.cat([processed[-1, 1:], processed.new_zeros(1, processed.shape[-1])])
+        ranked_tokens = processed.topk(min(self.fanout + 1, processed.shape[-1]), dim=-1).indices
+        counts = [block_size - 1] * (blocks - 1) + [block_size - 2]
+        return PreparedBranches(len(context), row_keys, tokens, counts, ranked_tokens,
+                                processed if row_sampling.do_sample else None)
 
     def observe(self, contexts: list[list[int]], accepted: list[int]) -> tuple[float, float]:
         """Join the worker; commit each row's context and accepted drafts; keep the branches. Returns the seconds
