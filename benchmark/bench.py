@@ -1,91 +1,171 @@
-"""`d3d bench`: D3D beside its peers in one process, on the same prompts, methods interleaved prompt by prompt.
+"""`d3d bench`: every decoding method in one process, on the same prompts, interleaved prompt by prompt.
 
-Methods: the target alone (greedy, the 1.0x reference); Hugging Face assisted generation with an AR assistant;
-prompt-lookup decoding; D3D synchronous; D3D asynchronous at the default (C, F) and at the best (C, F) of a sweep
-measured first on a few prompts. Every method is warmed up first and every output is checked against the target's.
+Methods: the target's own `generate` (the 1.0x reference); the target alone through the engine, eager and compiled
+(its loop overhead, and the compiled baseline); Hugging Face assisted generation with an AR assistant; prompt
+lookup; D3D synchronous through the engine, eager and compiled; D3D asynchronous through the engine at the default
+(C, F) and at the best (C, F) of a sweep measured first on a few prompts (the best also compiled); D3D through
+`assistant_model=drafter` (transformers' assisted loop driving the engine's source: what that path costs). Every
+method is warmed up first (for compiled methods this first call is the compile time, reported) and every output is
+checked against the target's own.
+
+Speedups are over the fastest target-alone baseline and over plain `generate`. The ideal bounds use the engine's own
+passes on a 256-token prefix: sync τ·t_T(1)/(t_T(B) + t_D(B)) (each round verifies a block and waits for its draft)
+and async τ·t_T(1)/t_T(B) (drafting fully hidden); the fraction reached is the speedup over the fastest
+target-alone baseline divided by the bound.
 """
 
 import platform
-import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
-from transformers.cache_utils import DynamicCache
 
-from modeling_d3d.async_d3d import DEFAULT_FANOUT, D3DAssistedGenerator
-from modeling_d3d.speculative_d3d import synchronize
+from modeling_d3d.generation_d3d import speculative_generate
+from modeling_d3d.sources_d3d import DEFAULT_COVERAGE, DEFAULT_FANOUT
 
+from .forward_cost import engine_pass_seconds
 from .measure import MethodRun, decode_one
 
 PROMPT_LOOKUP_TOKENS = 10
+PASS_PREFIX_LENGTH = 256
+COMPILE_CHOICES = ("auto", "none", "both")
 
 
 @dataclass
 class Method:
+    """A decoding method: `target.generate(**generate_kwargs)`. baseline: the target alone (a speedup reference);
+    drafting: "sync" or "async" for D3D methods (which ideal bounds apply), None otherwise; compiled: the engine's
+    compiled verify pass."""
+
     name: str
-    generate_kwargs: dict
+    generate_kwargs: dict = field(default_factory=dict)
+    baseline: bool = False
+    drafting: str | None = None
+    compiled: bool = False
 
 
-@torch.no_grad()
-def target_forward_seconds(target, tokens: int, prefix_length: int = 256, repeats: int = 20) -> float:
-    """Median time for the target to process `tokens` new tokens over a cached `prefix_length`-token prefix."""
-    prefix = torch.randint(0, target.config.vocab_size, (1, prefix_length), device=target.device)
-    new = torch.randint(0, target.config.vocab_size, (1, tokens), device=target.device)
-    cache = DynamicCache(config=target.config)
-    target(prefix, past_key_values=cache, use_cache=True)
-    times = []
-    for _ in range(repeats + 2):
-        start = time.perf_counter()
-        target(new, past_key_values=cache, use_cache=True)
-        synchronize(target.device)
-        times.append(time.perf_counter() - start)
-        cache.crop(-tokens)
-    return statistics.median(times[2:])
+def compile_modes(choice: str, device: torch.device) -> list[bool]:
+    """Which modes to measure: `none` eager only, `both` eager and compiled, `auto` both on CUDA (CUDA graphs compile
+    in seconds) and eager only on CPUs (inductor compiles take minutes)."""
+    if choice not in COMPILE_CHOICES:
+        raise ValueError(f"compile must be one of {', '.join(COMPILE_CHOICES)}, got {choice!r}")
+    both = choice == "both" or (choice == "auto" and device.type == "cuda")
+    return [False, True] if both else [False]
+
+
+def engine_kwargs(drafter=None, compiled: bool = False, coverage: int | None = None, fanout: int | None = None) -> dict:
+    """`generate` arguments of the engine: the target alone (`drafter=None`), D3D sync, or async at (C, F)."""
+    kwargs = {"custom_generate": speculative_generate, "drafter": drafter, "compile": compiled}
+    if coverage is not None:
+        kwargs.update(asynchronous=True, coverage=coverage, fanout=fanout)
+    return kwargs
+
+
+def suffix(compiled: bool) -> str:
+    return ", compiled" if compiled else ""
+
+
+def build_methods(drafter, assistant, default: tuple[int, int], best: tuple[int, int], modes: list[bool]) -> list[Method]:
+    """The comparison's methods, plain `generate` first."""
+    methods = [Method("target generate", baseline=True)]
+    methods += [Method(f"target alone, engine{suffix(c)}", engine_kwargs(compiled=c), baseline=True, compiled=c)
+                for c in modes]
+    if assistant is not None:
+        methods.append(Method("HF assisted, AR assistant", {"assistant_model": assistant}))
+    methods.append(Method(f"prompt lookup ({PROMPT_LOOKUP_TOKENS})", {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}))
+    methods += [Method(f"D3D sync{suffix(c)}", engine_kwargs(drafter, c), drafting="sync", compiled=c) for c in modes]
+    methods.append(Method(f"D3D async C={default[0]} F={default[1]}", engine_kwargs(drafter, False, *default),
+                          drafting="async"))
+    methods += [Method(f"D3D async C={best[0]} F={best[1]} (best){suffix(c)}", engine_kwargs(drafter, c, *best),
+                       drafting="async", compiled=c) for c in modes]
+    methods.append(Method("D3D sync, assistant_model=drafter", {"assistant_model": drafter}, drafting="sync"))
+    return methods
 
 
 def sweep_budgets(target, drafter, prompts, max_new_tokens: int, grid: list[tuple[int, int]]) -> list[dict]:
-    """tokens/s and hit rate of D3D async for each (C, F) on `prompts` (the paper picks the budget by speed)."""
+    """tokens/s, τ and hit rate of D3D async through the engine (eager) for each (C, F) on `prompts`."""
     rows = []
     for coverage, fanout in tqdm(grid, desc="(C, F) sweep"):
-        with D3DAssistedGenerator(drafter, coverage=coverage, fanout=fanout) as generator:
-            decode_one(target, prompts[0], max_new_tokens, MethodRun("warmup"), assistant_model=generator)
-            run = MethodRun(f"async C={coverage} F={fanout}")
-            for prompt in prompts:
-                decode_one(target, prompt, max_new_tokens, run, assistant_model=generator)
-        rows.append({"coverage": coverage, "fanout": fanout, "budget": generator.budget_tokens,
+        kwargs = engine_kwargs(drafter, False, coverage, fanout)
+        decode_one(target, prompts[0], max_new_tokens, MethodRun("warmup"), **kwargs)
+        run = MethodRun(f"async C={coverage} F={fanout}")
+        for prompt in prompts:
+            decode_one(target, prompt, max_new_tokens, run, **kwargs)
+        budget = drafter.config.block_size * ((coverage - 1) * fanout + 2)
+        rows.append({"coverage": coverage, "fanout": fanout, "budget": budget,
                      "tokens_per_second": run.tokens_per_second, "tau": run.tau, "hit_rate": run.hit_rate})
     return rows
 
 
-def run_methods(target, methods: list[Method], prompts: list[torch.Tensor], max_new_tokens: int) -> list[MethodRun]:
-    """Decode every prompt with every method, interleaved so machine drift hits all alike; warm each up first."""
+def timed_call(fn) -> float:
+    """Wall-clock seconds of `fn()`."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def run_methods(target, methods: list[Method], prompts: list[torch.Tensor], max_new_tokens: int
+                ) -> tuple[list[MethodRun], list[float]]:
+    """Decode every prompt with every method, interleaved so machine drift hits all alike, after one warm-up call
+    each. Returns the runs and each method's warm-up seconds (for compiled methods: the compile time)."""
     runs = [MethodRun(method.name) for method in methods]
-    for method in methods:
-        decode_one(target, prompts[0], max_new_tokens, MethodRun("warmup"), **method.generate_kwargs)
+    warmups = [timed_call(lambda m=method: decode_one(target, prompts[0], max_new_tokens, MethodRun("warmup"),
+                                                      **m.generate_kwargs)) for method in methods]
     for prompt in tqdm(prompts, desc="benchmark prompts"):
         for method, run in zip(methods, runs):
             decode_one(target, prompt, max_new_tokens, run, **method.generate_kwargs)
-    return runs
+    return runs, warmups
 
 
-def summarize(runs: list[MethodRun], t1: float, tb: float) -> list[dict]:
-    """One row per method: tokens/s, speedup over the first (the target alone), τ, hit rate, lossless, and for D3D
-    the ideal bound τ·t(1)/t(B) (every round verifies a B-token block at the cost t(B))."""
+def ideal_bounds(tau: float, passes: dict) -> tuple[float, float]:
+    """(sync, async) ideal speedups: τ·t_T(1)/(t_T(B) + t_D(B)) and τ·t_T(1)/t_T(B)."""
+    t1, tb, td = passes["t_target_1"], passes["t_target_b"], passes["t_drafter_b"]
+    return tau * t1 / (tb + td), tau * t1 / tb
+
+
+def round_split(run: MethodRun) -> dict:
+    """ms per round: the whole (wall clock / rounds), and for engine methods verify, exposed drafting and the rest
+    (host work, prefill, `generate`'s setup), which add up to the whole."""
+    total = run.ms_per_round()
+    if run.verify_seconds is None or total is None:
+        return {"ms_per_round": total, "verify_ms_per_round": None, "exposed_draft_ms_per_round": None,
+                "overhead_ms_per_round": None}
+    verify, exposed = run.ms_per_round(run.verify_seconds), run.ms_per_round(run.exposed_draft_seconds)
+    return {"ms_per_round": total, "verify_ms_per_round": verify, "exposed_draft_ms_per_round": exposed,
+            "overhead_ms_per_round": total - verify - exposed}
+
+
+def summarize(methods: list[Method], runs: list[MethodRun], warmups: list[float], passes: dict[str, dict]) -> list[dict]:
+    """One row per method: tokens/s, speedups, τ, hit rate, lossless, the round split, the ideal bounds (D3D) and
+    the fraction of each reached. `passes`: the engine pass times by mode (`eager`, `compiled`)."""
     reference = runs[0]
+    fastest = max(run.tokens_per_second for method, run in zip(methods, runs) if method.baseline)
     rows = []
-    for run in runs:
+    for method, run, warmup in zip(methods, runs, warmups):
+        speedup = run.tokens_per_second / fastest
+        ideal_sync = ideal_async = None
+        if method.drafting is not None:
+            ideal_sync, ideal_async = ideal_bounds(run.tau, passes["compiled" if method.compiled else "eager"])
         rows.append({
-            "method": run.name,
+            "method": method.name,
+            "engine": run.verify_seconds is not None,
+            "compiled": method.compiled,
             "tokens_per_second": run.tokens_per_second,
-            "speedup": run.tokens_per_second / reference.tokens_per_second,
+            "speedup": speedup,
+            "speedup_vs_generate": run.tokens_per_second / reference.tokens_per_second,
             "tau": run.tau,
             "hit_rate": run.hit_rate,
             "lossless": run.outputs == reference.outputs,
             "identical_outputs": sum(a == b for a, b in zip(run.outputs, reference.outputs)),
-            "ideal_speedup": run.tau * t1 / tb if run.name.startswith("D3D") else None,
+            **round_split(run),
+            "ideal_sync_speedup": ideal_sync,
+            "ideal_async_speedup": ideal_async,
+            "ideal_sync_fraction": speedup / ideal_sync if ideal_sync else None,
+            "ideal_async_fraction": speedup / ideal_async if ideal_async else None,
+            "warmup_seconds": warmup,
             "new_tokens": run.new_tokens,
+            "rounds": run.rounds,
             "seconds": run.seconds,
         })
     return rows
@@ -103,6 +183,16 @@ def hardware(target_device: torch.device, drafter_device: torch.device) -> str:
     return target if target == drafter else f"{target} (target), {drafter} (drafter)"
 
 
+def measure_passes(target, drafter, modes: list[bool]) -> dict[str, dict]:
+    """The engine's pass times by mode, each with the seconds its measurement took (compiling included)."""
+    passes = {}
+    for compiled in modes:
+        start = time.perf_counter()
+        entry = engine_pass_seconds(target, drafter, PASS_PREFIX_LENGTH, compile=compiled)
+        passes["compiled" if compiled else "eager"] = {**entry, "measure_seconds": time.perf_counter() - start}
+    return passes
+
+
 def benchmark(
     target,
     drafter,
@@ -111,33 +201,28 @@ def benchmark(
     assistant=None,
     sweep_grid: list[tuple[int, int]] | None = None,
     sweep_prompts: int = 4,
+    compile: str = "auto",
 ) -> dict:
     """Run the whole comparison; returns everything `bench.json` holds."""
+    modes = compile_modes(compile, target.device)
     block_size = drafter.config.block_size
-    default_coverage = min(12, block_size)
-    grid = sweep_grid or sorted({(default_coverage, DEFAULT_FANOUT), (1, 0), (2, 1), (4, 1), (max(block_size // 2, 1), 1)})
+    default = (min(DEFAULT_COVERAGE, block_size), DEFAULT_FANOUT)
+    grid = sweep_grid or sorted({default, (1, 0), (2, 1), (4, 1), (max(block_size // 2, 1), 1)})
     first_set = next(iter(prompt_sets.values()))
     sweep = sweep_budgets(target, drafter, first_set[:sweep_prompts], max_new_tokens, grid)
-    best = max(sweep, key=lambda row: row["tokens_per_second"])
-    t1, tb = target_forward_seconds(target, 1), target_forward_seconds(target, block_size)
+    best_row = max(sweep, key=lambda row: row["tokens_per_second"])
+    best = (best_row["coverage"], best_row["fanout"])
+    passes = measure_passes(target, drafter, modes)
     results = {"hardware": hardware(target.device, drafter.device), "max_new_tokens": max_new_tokens,
-               "block_size": block_size, "t1_seconds": t1, "tb_seconds": tb,
-               "sweep": sweep, "best_budget": {"coverage": best["coverage"], "fanout": best["fanout"]}, "prompt_sets": {}}
-    with D3DAssistedGenerator(drafter, coverage=default_coverage, fanout=DEFAULT_FANOUT) as default_async, \
-            D3DAssistedGenerator(drafter, coverage=best["coverage"], fanout=best["fanout"]) as best_async:
-        methods = [Method("target alone", {})]
-        if assistant is not None:
-            methods.append(Method("HF assisted, AR assistant", {"assistant_model": assistant}))
-        methods += [
-            Method(f"prompt lookup ({PROMPT_LOOKUP_TOKENS})", {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}),
-            Method("D3D sync", {"assistant_model": drafter}),
-            Method(f"D3D async C={default_coverage} F={DEFAULT_FANOUT}", {"assistant_model": default_async}),
-            Method(f"D3D async C={best['coverage']} F={best['fanout']} (best)", {"assistant_model": best_async}),
-        ]
-        for name, prompts in prompt_sets.items():
-            runs = run_methods(target, methods, prompts, max_new_tokens)
-            results["prompt_sets"][name] = {"prompts": len(prompts), "methods": summarize(runs, t1, tb)}
+               "block_size": block_size, "compile": compile, "modes": ["compiled" if c else "eager" for c in modes],
+               "pass_prefix_length": PASS_PREFIX_LENGTH, "passes": passes, "sweep": sweep,
+               "best_budget": {"coverage": best[0], "fanout": best[1]}, "prompt_sets": {}}
+    methods = build_methods(drafter, assistant, default, best, modes)
+    for name, prompts in prompt_sets.items():
+        runs, warmups = run_methods(target, methods, prompts, max_new_tokens)
+        results["prompt_sets"][name] = {"prompts": len(prompts), "methods": summarize(methods, runs, warmups, passes)}
     return results
 
 
-__all__ = ["benchmark", "run_methods", "summarize", "sweep_budgets", "target_forward_seconds"]
+__all__ = ["COMPILE_CHOICES", "Method", "benchmark", "build_methods", "compile_modes", "ideal_bounds",
+           "round_split", "run_methods", "summarize", "sweep_budgets"]

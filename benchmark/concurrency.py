@@ -2,8 +2,9 @@
 decoding, at each number of concurrent requests, in one process.
 
 At concurrency c the prompts are decoded in groups of c, left-padded: the baseline is `target.generate` on the
-group (Hugging Face batched greedy decoding, finished rows padded until the last one ends), D3D is
-`drafter.generate_batch` on the same group (rows leave at their own EOS or length), synchronous and asynchronous.
+group (Hugging Face batched greedy decoding, finished rows padded until the last one ends), D3D is the engine
+(`drafter.generate_batch`, i.e. `custom_generate=speculative_generate`) on the same group (rows leave at their own
+EOS or length), synchronous and asynchronous; its statistics come from the engine's `RoundRecord`.
 All count the same new tokens (each row up to its EOS); every D3D row is checked against the baseline's row. Each
 level is warmed up first.
 """
@@ -14,7 +15,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from modeling_d3d.speculative_d3d import synchronize
+from modeling_d3d.engine_d3d import RoundRecord
+from modeling_d3d.sources_d3d import synchronize
 
 from .report import percent, pyplot, write_report
 
@@ -46,6 +48,12 @@ def timed(generate, ids: torch.Tensor, mask: torch.Tensor, device) -> tuple[torc
     return sequences.cpu(), time.perf_counter() - began
 
 
+def fresh(records: dict[str, RoundRecord], name: str) -> RoundRecord:
+    """A new round record for the next call of method `name`, kept in `records` to read after the call."""
+    records[name] = RoundRecord()
+    return records[name]
+
+
 def concurrency_benchmark(
     target, drafter, prompts: list[torch.Tensor], levels: list[int], max_new_tokens: int, coverage: int, fanout: int
 ) -> dict:
@@ -58,11 +66,14 @@ def concurrency_benchmark(
     eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
     pad = config.pad_token_id if config.pad_token_id is not None else next(iter(eos_ids), 0)
     settings = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+    records = {"sync": RoundRecord(), "async": RoundRecord()}
     methods = {
         "baseline": lambda ids, mask: target.generate(ids, attention_mask=mask, **settings),
-        "sync": lambda ids, mask: drafter.generate_batch(target, ids, attention_mask=mask, **settings),
+        "sync": lambda ids, mask: drafter.generate_batch(target, ids, attention_mask=mask,
+                                                        round_record=fresh(records, "sync"), **settings),
         "async": lambda ids, mask: drafter.generate_batch(target, ids, attention_mask=mask, asynchronous=True,
-                                                         coverage=coverage, fanout=fanout, **settings),
+                                                         coverage=coverage, fanout=fanout,
+                                                         round_record=fresh(records, "async"), **settings),
     }
     rows = []
     for level in tqdm(levels, desc="concurrency levels"):
@@ -80,7 +91,7 @@ def concurrency_benchmark(
                 outputs[name] += new_tokens(sequences, ids.shape[1], eos_ids)
                 if name in totals:
                     for key in totals[name]:
-                        totals[name][key] += getattr(drafter.batch_stats, key)
+                        totals[name][key] += getattr(records[name], key)
         speed = {name: sum(len(row) for row in outputs[name]) / seconds[name] for name in methods}
         row = {"concurrency": level, "requests": len(prompts), "new_tokens": sum(len(r) for r in outputs["baseline"]),
                "baseline_tokens_per_second": speed["baseline"], "baseline_seconds": seconds["baseline"]}
@@ -149,4 +160,4 @@ def write(results: dict, output_dir: Path) -> str:
     return write_report(results, output_dir, "concurrency", markdown, plot)
 
 
-__all__ = ["concurrency_benchmark", "left_pad", "markdown", "new_tokens", "plot", "timed", "write"]
+__all__ = ["concurrency_benchmark", "fresh", "left_pad", "markdown", "new_tokens", "plot", "timed", "write"]

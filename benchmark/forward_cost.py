@@ -15,12 +15,14 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import LogitsProcessorList, Qwen3Config, Qwen3ForCausalLM
-from transformers.cache_utils import DynamicCache
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from cli.dtype import DtypeChoice, add_argument, choose_dtype
 from modeling_d3d import D3DForBlockDiffusion
-from modeling_d3d.speculative_d3d import synchronize
+from modeling_d3d.caches_d3d import StaticKVCache
+from modeling_d3d.drafting_d3d import PassLayout, prefill, run_pass
+from modeling_d3d.engine_d3d import compiled_forward
+from modeling_d3d.sources_d3d import BlockSource, RowSampling, SuccessorSource, synchronize
 
 # Shapes of the paper's models (Qwen3 configs); the drafter is D3D-8B pruned to 31 layers.
 PRESETS = {
@@ -54,37 +56,53 @@ def seconds(fn, repeats: int, device: torch.device) -> float:
     return sorted(times)[len(times) // 2]
 
 
-@torch.inference_mode()
-def target_pass_seconds(target, prefix: torch.Tensor, n: int, repeats: int) -> float:
-    """Time for the target to process `n` new tokens after a cached prefix `(1, L)`."""
-    cache = DynamicCache(config=target.config)
-    target(prefix, past_key_values=cache, use_cache=True)
-    length = prefix.shape[1]
-    block = prefix[:, -n:]
-    positions = torch.arange(length, length + n, device=prefix.device)[None]
-
-    def verify():
-        target(block, past_key_values=cache, position_ids=positions, use_cache=True)
-        cache.crop(-n)
-
-    return seconds(verify, repeats, target.device)
+@torch.no_grad()
+def target_pass_seconds(target, prefix: list[int], n: int, repeats: int, compile: bool = False) -> float:
+    """The engine's verify pass: `target` over `n` new tokens after a committed prefix (one `StaticKVCache` row),
+    eager or through the engine's compiled forward (compiled once before timing)."""
+    width = max(n, 1)
+    cache = StaticKVCache(target.config, 1, len(prefix) + width, target.device, target.dtype)
+    prefill(target, cache, 0, prefix)
+    layout = PassLayout.empty(1, width, 0)
+    layout.put_causal(0, 0, prefix[-width:], len(prefix))
+    forward = compiled_forward(target) if compile else None
+    return seconds(lambda: run_pass(target, cache, layout, width, forward=forward), repeats, target.device)
 
 
-@torch.inference_mode()
-def drafter_pass_seconds(drafter, prefix: torch.Tensor, budgets: list[tuple[int, int]], repeats: int) -> dict:
-    """Time of one block-drafting pass and of the packed successor pass for each `(C, F)`, after a cached prefix."""
-    processors = LogitsProcessorList()
-    cache = DynamicCache(config=drafter.config)
-    draft = drafter.draft_block(prefix, cache, processors)
-    cached = cache.get_seq_length()
-    times = {"block": seconds(lambda: drafter.draft_block(prefix, cache, processors), repeats, drafter.device)}
+@torch.no_grad()
+def drafter_pass_seconds(drafter, prefix: list[int], budgets: list[tuple[int, int]], repeats: int) -> dict:
+    """The engine's drafting passes after a committed prefix: one block pass (`BlockSource.propose`) and, per
+    `(C, F)`, the packed successor pass (`SuccessorSource` propose + observe, less the block pass)."""
+    sampling = [RowSampling()]
+    block = BlockSource(drafter)
+    block.allocate(1, len(prefix) + repeats + 2)
+    block.add(0, prefix)
+    times = {"block": seconds(lambda: block.propose([prefix], sampling), repeats, drafter.device)}
     for coverage, fanout in budgets:
-        def packed_pass():
-            drafter.draft_successors(prefix, draft.tokens, draft.logits, cache, coverage, fanout, processors)
-            cache.crop(cached - cache.get_seq_length())
+        with SuccessorSource(drafter, coverage, fanout) as source:
+            source.allocate(1, len(prefix) + 2 * repeats + 4)
+            source.add(0, prefix)
+            context = list(prefix)
 
-        times[f"{coverage}x{fanout}"] = seconds(packed_pass, repeats, drafter.device)
+            def round_trip():
+                source.propose([context], sampling)
+                source.observe([context], [0])
+                source.branches[0] = None  # the next call drafts again, as after a miss
+                context.append(context[-1])
+
+            times[f"{coverage}x{fanout}"] = max(seconds(round_trip, repeats, drafter.device) - times["block"], 0.0)
     return times
+
+
+def engine_pass_seconds(target, drafter, prefix_length: int = 256, repeats: int = 20, compile: bool = False) -> dict:
+    """t_T(1), t_T(B) (the target's verify pass over 1 and B tokens, eager or compiled) and t_D(B) (the drafter's
+    block pass, eager as the engine runs it) on a random `prefix_length`-token prefix."""
+    vocab = target.config.get_text_config().vocab_size
+    prefix = torch.randint(0, vocab, (prefix_length,), generator=torch.Generator().manual_seed(0)).tolist()
+    block_size = drafter.config.block_size
+    return {"t_target_1": target_pass_seconds(target, prefix, 1, repeats, compile),
+            "t_target_b": target_pass_seconds(target, prefix, block_size, repeats, compile),
+            "t_drafter_b": drafter_pass_seconds(drafter, prefix, [], repeats)["block"]}
 
 
 def measure(preset: str, device: str, drafter_device: str, prefix_length: int, block_size: int,
@@ -95,13 +113,13 @@ def measure(preset: str, device: str, drafter_device: str, prefix_length: int, b
     drafter_shape, drafter_layers = DRAFTER_SHAPE[preset]
     backbone = random_model(PRESETS[drafter_shape], drafter_layers, drafter_device, dtype)
     drafter = D3DForBlockDiffusion.from_backbone(backbone, block_size=block_size).to(drafter_device, dtype).eval()
-    prefix = torch.randint(0, shape["vocab_size"] - 1, (1, prefix_length), generator=torch.Generator().manual_seed(0))
+    prefix = torch.randint(0, shape["vocab_size"] - 1, (prefix_length,), generator=torch.Generator().manual_seed(0)).tolist()
     result = {
         "preset": preset, "device": torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "cpu",
         "dtype": choice.description,
         "prefix_length": prefix_length, "block_size": block_size,
-        "target_seconds": {n: target_pass_seconds(target, prefix.to(device), n, repeats) for n in (1, block_size)},
-        "drafter_seconds": drafter_pass_seconds(drafter, prefix.to(drafter_device), budgets, repeats),
+        "target_seconds": {n: target_pass_seconds(target, prefix, n, repeats) for n in (1, block_size)},
+        "drafter_seconds": drafter_pass_seconds(drafter, prefix, budgets, repeats),
         "budget_tokens": {f"{c}x{f}": block_size * ((c - 1) * f + 2) for c, f in budgets},
     }
     return result

@@ -1,4 +1,5 @@
-"""Decode a prompt set with one method and record what happened: time, tokens, rounds, cache hits, outputs."""
+"""Decode a prompt set with one method and record what happened: time, tokens, rounds, cache hits, outputs, and for
+engine methods (`custom_generate=speculative_generate`) the round split read from the engine's `RoundRecord`."""
 
 import time
 from dataclasses import dataclass, field
@@ -7,7 +8,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers.generation.streamers import BaseStreamer
 
-from modeling_d3d.speculative_d3d import synchronize
+from modeling_d3d.engine_d3d import RoundRecord
+from modeling_d3d.generation_d3d import speculative_generate
+from modeling_d3d.sources_d3d import synchronize
 
 
 class RoundCounter(BaseStreamer):
@@ -29,7 +32,8 @@ class RoundCounter(BaseStreamer):
 
 @dataclass
 class MethodRun:
-    """One method over one prompt set: totals and per-prompt outputs."""
+    """One method over one prompt set: totals and per-prompt outputs. `verify_seconds` / `exposed_draft_seconds`
+    are summed from the engine's round records (None for methods outside the engine)."""
 
     name: str
     seconds: float = 0.0
@@ -37,6 +41,8 @@ class MethodRun:
     rounds: int = 0
     cache_hits: int = 0
     lookups: int = 0
+    verify_seconds: float | None = None
+    exposed_draft_seconds: float | None = None
     outputs: list[list[int]] = field(default_factory=list)
 
     @property
@@ -52,37 +58,57 @@ class MethodRun:
     def hit_rate(self) -> float | None:
         return self.cache_hits / self.lookups if self.lookups else None
 
+    def ms_per_round(self, seconds: float | None = None) -> float | None:
+        """Milliseconds per round of `seconds` (default: the whole wall-clock time, prefill included)."""
+        seconds = self.seconds if seconds is None else seconds
+        return 1000 * seconds / self.rounds if self.rounds else None
+
+    def add_record(self, record: RoundRecord) -> None:
+        """Add one engine call's round record: rounds, lookups, hits and the verify / exposed drafting seconds."""
+        self.rounds += record.rounds
+        self.lookups += record.lookups
+        self.cache_hits += record.cache_hits
+        self.verify_seconds = (self.verify_seconds or 0.0) + record.verify_seconds
+        self.exposed_draft_seconds = (self.exposed_draft_seconds or 0.0) + record.exposed_draft_seconds
+
 
 def decode_one(target, prompt: torch.Tensor, max_new_tokens: int, run: MethodRun, **generate_kwargs) -> None:
-    """Greedy-decode `prompt` `(1, L)` with `target.generate(**generate_kwargs)`; add time, tokens, rounds (counted by
-    a streamer, the same way for every method) and, for D3D assistants, cache hits to `run`."""
+    """Greedy-decode `prompt` `(1, L)` with `target.generate(**generate_kwargs)` and add to `run`: time, tokens and
+    rounds, read from the engine's `RoundRecord` for `custom_generate` calls and counted by a streamer otherwise;
+    cache hits for D3D (the engine's record, or an `assistant_model=` adapter's `generation_stats`)."""
+    engine = "custom_generate" in generate_kwargs
     assistant = generate_kwargs.get("assistant_model")
-    counter = RoundCounter()
+    record = RoundRecord()
+    extra = {"round_record": record} if engine else {"streamer": (counter := RoundCounter())}
     synchronize(target.device)
     start = time.perf_counter()
-    output = target.generate(
-        prompt.to(target.device), max_new_tokens=max_new_tokens, do_sample=False, streamer=counter, **generate_kwargs
-    )
-    if hasattr(assistant, "wait"):  # an async generator's last queued pass is charged to it, not to the next method
-        assistant.wait()
+    output = target.generate(prompt.to(target.device), max_new_tokens=max_new_tokens, do_sample=False,
+                             **generate_kwargs, **extra)
+    source = getattr(assistant, "source", None)
+    if hasattr(source, "wait"):  # an async adapter's last queued pass is charged to it, not to the next method
+        source.wait()
     synchronize(target.device)
     run.seconds += time.perf_counter() - start
     new = output[0, prompt.shape[1] :].tolist()
     run.outputs.append(new)
     run.new_tokens += len(new)
+    if engine:
+        run.add_record(record)
+        return
     run.rounds += counter.rounds
-    stats = getattr(assistant, "generation_stats", None)
-    if stats is not None and len(new) > 1:
-        stats.settle(output.cpu())
-        run.cache_hits += stats.cache_hits
-        run.lookups += sum(r.looked_up for r in stats.rounds_drafted)
+    settle = getattr(assistant, "settle", None)
+    if settle is not None and len(new) > 1:
+        stats = settle(output.cpu())
+        if stats is not None:
+            run.cache_hits += stats.cache_hits
+            run.lookups += stats.lookups
 
 
 def acceptance_length(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int, desc: str = "tau") -> float:
-    """Mean acceptance length τ of `drafter` (or a generator) for `target` over `prompts`, greedy."""
+    """Mean acceptance length τ of `drafter` for `target` over `prompts`, greedy, through the engine."""
     run = MethodRun("d3d")
     for prompt in tqdm(prompts, desc=desc, leave=False):
-        decode_one(target, prompt, max_new_tokens, run, assistant_model=drafter)
+        decode_one(target, prompt, max_new_tokens, run, custom_generate=speculative_generate, drafter=drafter)
     return run.tau
 
 

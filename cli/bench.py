@@ -1,5 +1,7 @@
-"""`d3d bench`: D3D beside the target alone, HF assisted generation and prompt lookup, in one process; with
-`--concurrency 1,4,8,16`, batched D3D against the target's own batched greedy decoding at each concurrency."""
+"""`d3d bench`: every decoding method through one harness in one process (the target's `generate`, the target alone
+through the engine, HF assisted generation, prompt lookup, D3D sync / async through the engine, eager and compiled,
+and D3D via `assistant_model=`); with `--concurrency 1,4,8,16`, batched D3D against the target's own batched
+greedy decoding at each concurrency."""
 
 import argparse
 from pathlib import Path
@@ -7,7 +9,7 @@ from pathlib import Path
 import torch
 
 from benchmark import concurrency, report
-from benchmark.bench import benchmark
+from benchmark.bench import COMPILE_CHOICES, benchmark
 from benchmark.prompts import encode_prompt
 from modeling_d3d import D3DForBlockDiffusion
 
@@ -67,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=40, help="first N prompts of each set")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--sweep", default=None, help="(C, F) grid for the async sweep, e.g. 4x2,8x1,12x2")
+    parser.add_argument("--compile", choices=COMPILE_CHOICES, default="auto",
+                        help="also measure the engine with its compiled verify pass: both (eager and compiled), none "
+                             "(eager only), auto (both on CUDA, eager only on CPUs, where compiling takes minutes)")
     parser.add_argument("--concurrency", default=None,
                         help="e.g. 1,4,8,16: measure batched D3D against the target's batched greedy decoding at each "
                              "number of concurrent requests (instead of the method comparison)")
@@ -91,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
     if args.concurrency:
         return run_concurrency(target, drafter, sets, args, choice)
     results = {"dtype": choice.description,
-               **benchmark(target, drafter, sets, args.max_new_tokens, assistant, parse_grid(args.sweep))}
+               **benchmark(target, drafter, sets, args.max_new_tokens, assistant, parse_grid(args.sweep),
+                          compile=args.compile)}
     table = report.write(results, Path(args.output)) if args.output else report.markdown(results)
     print(table)
     lossless = all(row["lossless"] for s in results["prompt_sets"].values() for row in s["methods"])

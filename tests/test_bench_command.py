@@ -1,10 +1,14 @@
-"""`d3d bench` on tiny saved models and a prompt file: the table, JSON and plot, every method lossless."""
+"""`d3d bench` on tiny saved models and a prompt file: the table, JSON and plot, every method lossless, the round
+split and the ideal bounds consistent (no timing thresholds)."""
 
 import json
+import math
 
 from cli.main import main
 from conftest import tiny_target, word_tokenizer
 from modeling_d3d import D3DForBlockDiffusion
+
+ROUND_SPLIT = ("ms_per_round", "verify_ms_per_round", "exposed_draft_ms_per_round", "overhead_ms_per_round")
 
 
 def test_bench_command_writes_table_json_and_plot(tmp_path, capsys):
@@ -16,15 +20,37 @@ def test_bench_command_writes_table_json_and_plot(tmp_path, capsys):
     prompts.write_text("\n".join(json.dumps({"prompt": f"w{i} w{i + 3} w{i + 7}"}) for i in range(3)))
     code = main(["bench", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
                  "--assistant", str(tmp_path / "assistant"), "--prompts", str(prompts), "--max-new-tokens", "12",
-                 "--sweep", "1x0,2x1", "--dtype", "float32", "--output", str(tmp_path / "bench")])
+                 "--sweep", "1x0,2x1", "--compile", "none", "--dtype", "float32", "--output", str(tmp_path / "bench")])
     assert code == 0
     table = capsys.readouterr().out
-    assert "| D3D sync |" in table and "| HF assisted, AR assistant |" in table and "budget sweep" in table
+    for name in ("target generate", "target alone, engine", "HF assisted, AR assistant", "prompt lookup (10)",
+                 "D3D sync", "D3D async C=4 F=2", "D3D sync, assistant_model=drafter"):
+        assert f"| {name} |" in table
+    assert "budget sweep" in table and "dtype: float32 (--dtype)" in table
     results = json.loads((tmp_path / "bench" / "bench.json").read_text())
-    methods = results["prompt_sets"]["prompts"]["methods"]
-    assert [m["method"] for m in methods][:2] == ["target alone", "HF assisted, AR assistant"]
-    assert all(m["lossless"] and m["identical_outputs"] == 3 for m in methods) and methods[0]["speedup"] == 1.0
-    assert results["hardware"] and results["dtype"] == "float32 (--dtype)" and "dtype: float32 (--dtype)" in table
+    methods = {m["method"]: m for m in results["prompt_sets"]["prompts"]["methods"]}
+    assert list(methods)[:2] == ["target generate", "target alone, engine"]
+    assert all(m["lossless"] and m["identical_outputs"] == 3 for m in methods.values())
+    assert methods["target generate"]["speedup_vs_generate"] == 1.0
+    assert max(m["speedup"] for m in methods.values() if m["method"].startswith("target")) == 1.0
+    assert results["hardware"] and results["dtype"] == "float32 (--dtype)" and results["modes"] == ["eager"]
+    assert set(results["passes"]["eager"]) >= {"t_target_1", "t_target_b", "t_drafter_b"}
+    for m in methods.values():
+        assert all(key in m for key in (*ROUND_SPLIT, "ideal_sync_speedup", "ideal_async_speedup"))
+        assert m["ms_per_round"] > 0 and m["tau"] >= 1
+        if m["engine"]:
+            verify, exposed, overhead = (m[key] for key in ROUND_SPLIT[1:])
+            assert math.isclose(verify + exposed + overhead, m["ms_per_round"], rel_tol=1e-9, abs_tol=1e-9)
+        else:
+            assert m["verify_ms_per_round"] is None
+        if m["method"].startswith("D3D"):
+            for kind in ("sync", "async"):
+                assert math.isclose(m[f"ideal_{kind}_fraction"], m["speedup"] / m[f"ideal_{kind}_speedup"])
+        else:
+            assert m["ideal_sync_speedup"] is None and m["ideal_async_speedup"] is None
+    assert methods["D3D sync"]["engine"] and methods["D3D async C=4 F=2"]["hit_rate"] is not None
+    assert methods["target alone, engine"]["exposed_draft_ms_per_round"] == 0.0
+    assert methods["target alone, engine"]["tau"] == 1.0
     assert [(r["coverage"], r["fanout"]) for r in results["sweep"]] == [(1, 0), (2, 1)]
     assert (tmp_path / "bench" / "bench.png").stat().st_size > 0
 

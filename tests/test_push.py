@@ -19,10 +19,12 @@ def bench_results(tau: float, speedup: float, hit_rate: float) -> dict:
     """What `benchmark.bench.benchmark` returns, for one prompt set with a sync and an async D3D row."""
     def row(method: str, hits: float | None) -> dict:
         return {"method": method, "tokens_per_second": 100.0 * speedup, "speedup": speedup, "tau": tau,
-                "hit_rate": hits, "lossless": True, "ideal_speedup": None, "new_tokens": 64, "seconds": 1.0}
+                "hit_rate": hits, "lossless": True, "ideal_sync_speedup": None, "ideal_async_speedup": None,
+                "ms_per_round": 1.0, "new_tokens": 64, "seconds": 1.0}
 
-    return {"hardware": "test CPU, 2 threads", "max_new_tokens": 32, "block_size": 5, "t1_seconds": 0.001,
-            "tb_seconds": 0.002, "sweep": [], "best_budget": {"coverage": 2, "fanout": 1},
+    passes = {"t_target_1": 0.001, "t_target_b": 0.002, "t_drafter_b": 0.001, "measure_seconds": 0.1}
+    return {"hardware": "test CPU, 2 threads", "max_new_tokens": 32, "block_size": 5, "passes": {"eager": passes},
+            "sweep": [], "best_budget": {"coverage": 2, "fanout": 1},
             "prompt_sets": {"humaneval": {"prompts": 4, "methods": [
                 row("target alone", None), row("D3D sync", None), row("D3D async C=2 F=1", hit_rate)]}}}
 

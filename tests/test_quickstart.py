@@ -36,7 +36,7 @@ def test_the_chosen_dtype_is_recorded_in_the_artifacts(output):
 def test_every_benchmarked_method_was_lossless(output):
     results = json.loads((output / "bench.json").read_text())
     rows = [row for prompt_set in results["prompt_sets"].values() for row in prompt_set["methods"]]
-    assert {"target alone", "D3D sync"} <= {row["method"] for row in rows}
+    assert {"target generate", "target alone, engine", "D3D sync"} <= {row["method"] for row in rows}
     assert any(row["method"].startswith("D3D async") for row in rows)
     assert all(row["lossless"] for row in rows)
     assert results["sweep"] and set(results["prompt_sets"]) == {"humaneval", "pydoc"}
