@@ -18,6 +18,7 @@ from .sources_d3d import DEFAULT_FANOUT, BlockSource, SuccessorSource
 # generate settings whose processors depend on the prompt's length: built per row when prompts are padded.
 LENGTH_DEPENDENT_SETTINGS = ("min_length", "min_new_tokens", "forced_eos_token_id", "begin_suppress_tokens",
                              "exponential_decay_length_penalty")
+COMPILE_LENGTH_BUCKET = 256
 UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
 
@@ -121,8 +122,10 @@ def speculative_generate(
     max_new_tokens = generation_config.max_length - input_ids.shape[1]
     longest_prompt = max([len(p) for p in prompts] + [len(drafter_prompt or [])])
     source = make_source(drafter, asynchronous, coverage, fanout, drafter_device, worker_threads, compile)
-    engine = SpeculativeEngine(model, source, max_rows=batch, max_length=longest_prompt + max_new_tokens,
-                               compile=compile)
+    max_length = longest_prompt + max_new_tokens
+    if compile:  # compiled passes attend over the whole cache: bucket its size so most calls reuse a compilation
+        max_length = -(-max_length // COMPILE_LENGTH_BUCKET) * COMPILE_LENGTH_BUCKET
+    engine = SpeculativeEngine(model, source, max_rows=batch, max_length=max_length, compile=compile)
     if round_record is not None:
         engine.record = round_record
     if drafter is not None:
