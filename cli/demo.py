@@ -1,7 +1,7 @@
 """`d3d demo`: speculative decoding with a D3D drafter on tiny random Qwen3 models, checked against the target.
 
-It needs no download and no training: it shows the mechanics (one drafting pass per round, lossless output,
-statistics). Random models agree rarely, so expect tau near 1; trained drafters are what make it fast.
+It needs no download and no training: it shows the mechanics (the engine: one drafting pass per round, lossless
+output, statistics). Random models agree rarely, so expect tau near 1; trained drafters are what make it fast.
 """
 
 import argparse
@@ -40,9 +40,9 @@ def run_demo(prompts: int, max_new_tokens: int, block_size: int, vocab_size: int
         reference = target.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False)
         totals["target"] += time.perf_counter() - start
         start = time.perf_counter()
-        speculative = target.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=drafter)
+        speculative = drafter.generate_batch(target, prompt, max_new_tokens=max_new_tokens, do_sample=False)
         totals["d3d"] += time.perf_counter() - start
-        stats = drafter.generation_stats.settle(speculative)
+        stats = drafter.generation_stats  # the engine's RoundRecord of this call
         identical &= torch.equal(reference, speculative)
         new_tokens += stats.new_tokens
         rounds += stats.rounds

@@ -19,12 +19,16 @@ target = AutoModelForCausalLM.from_pretrained("{target}")
 tokenizer = AutoTokenizer.from_pretrained("{target}")
 drafter = AutoModel.from_pretrained("{repo}", trust_remote_code=True)
 ids = tokenizer("def fibonacci(n):", return_tensors="pt").input_ids
-out = target.generate(ids, assistant_model=drafter, max_new_tokens=64, do_sample=False)
+# the D3D engine (one target pass a round over static caches; batches of left-padded prompts too):
+out = drafter.generate_batch(target, ids, max_new_tokens=64, do_sample=False)
 print(tokenizer.decode(out[0]))
+print(f"tokens per round: {{drafter.generation_stats.tau:.2f}}")
 
 # asynchronous drafting (the drafter prepares the next blocks while the target verifies):
-with drafter.async_generator() as generator:
-    out = target.generate(ids, assistant_model=generator, max_new_tokens=64, do_sample=False)
+out = drafter.generate_batch(target, ids, asynchronous=True, max_new_tokens=64, do_sample=False)
+
+# or as transformers' assistant model (batch size 1):
+out = target.generate(ids, assistant_model=drafter, max_new_tokens=64, do_sample=False)
 ```"""
 
 LIMITATIONS = """## Limitations

@@ -49,7 +49,7 @@ class Proposal:
     """One round's candidates. drafts `(rows, m)` long and num_drafts `(rows,)` (real drafts per row; the rest is
     padding); logits `(rows, m, vocab)` processed (q = softmax), None when no row samples; looked_up / hits: per row,
     whether prepared branches were searched and whether one served it; exposed_seconds: drafting the target waited
-    for."""
+    for; failed: the rows whose logits processors raised while drafting, with the error (those rows end)."""
 
     drafts: torch.Tensor
     num_drafts: torch.Tensor
@@ -58,6 +58,7 @@ class Proposal:
     hits: list[bool]
     exposed_seconds: float = 0.0
     hidden_seconds: float = 0.0
+    failed: dict[int, Exception] = field(default_factory=dict)
 
 
 def synchronize(device: torch.device) -> None:
@@ -69,12 +70,19 @@ def synchronize(device: torch.device) -> None:
 def drafts_from_logits(raw: torch.Tensor, contexts: list[list[int]], sampling: list[RowSampling]):
     """Per row: its processors over raw block logits `(rows, m, vocab)` (context: its tokens), then argmax or a draw.
     Returns drafts `(rows, m)`, the processed logits `(rows, m, vocab)` (the raw ones when no row has processors)
-    and whether any row samples (then q = softmax of them matters)."""
+    and the rows whose processors raised, with the error (their raw logits stand in)."""
     if not any(s.logits_processor or s.do_sample for s in sampling):
-        return raw.argmax(-1), raw
-    rows = torch.stack([process(s.logits_processor, context, raw[r]) for r, (context, s) in enumerate(zip(contexts, sampling))])
+        return raw.argmax(-1), raw, {}
+    processed, failed = [], {}
+    for r, (context, s) in enumerate(zip(contexts, sampling)):
+        try:
+            processed.append(process(s.logits_processor, context, raw[r]))
+        except Exception as error:  # this row's processing failed: it ends, the others go on
+            failed[r] = error
+            processed.append(raw[r])
+    rows = torch.stack(processed)
     drafts = torch.stack([choose(logits, s.do_sample, s.generator) for logits, s in zip(rows, sampling)])
-    return drafts, rows
+    return drafts, rows, failed
 
 
 class BlockSource:
@@ -110,15 +118,15 @@ class BlockSource:
 
     def propose(self, contexts: list[list[int]], sampling: list[RowSampling]) -> Proposal:
         start = time.perf_counter()
-        drafts, logits = self._draft_all(contexts, sampling)
+        drafts, logits, failed = self._draft_all(contexts, sampling)
         synchronize(self.device)
         rows = len(contexts)
         return Proposal(drafts, torch.full((rows,), self.block_size - 1, device=drafts.device),
                         logits if any(s.do_sample for s in sampling) else None, [False] * rows, [False] * rows,
-                        time.perf_counter() - start)
+                        time.perf_counter() - start, failed=failed)
 
     def _draft_all(self, contexts: list[list[int]], sampling: list[RowSampling]):
-        """One block pass for every row: drafts `(rows, B - 1)` and their processed logits."""
+        """One block pass for every row: drafts `(rows, B - 1)`, their processed logits, the rows that failed."""
         raw = block_pass(self.drafter, self.cache, contexts, self.committed[: len(contexts)], self.forward)
         for row, context in enumerate(contexts):
             self.committed[row] = len(context) - 1
@@ -207,13 +215,14 @@ class SuccessorSource(BlockSource):
         rows, width, sampled = len(contexts), self.block_size - 1, any(s.do_sample for s in sampling)
         looked_up = [self.branches[r] is not None for r in range(rows)]
         found = [self._lookup(r, contexts[r]) for r in range(rows)]
+        failed = {}
         if all(index is not None for index in found):
             first = self.branches[0]
             drafts = first.tokens.new_zeros(rows, width)
             ranked = first.ranked.new_zeros(rows, width, first.ranked.shape[-1])
             logits = torch.zeros(rows, width, self.drafter.config.vocab_size, device=drafts.device) if sampled else None
         else:
-            drafts, processed = self._draft_all(contexts, sampling)
+            drafts, processed, failed = self._draft_all(contexts, sampling)
             ranked = processed.topk(min(self.fanout + 1, processed.shape[-1]), dim=-1).indices
             logits = processed if sampled else None
         counts = [width] * rows
@@ -231,7 +240,8 @@ class SuccessorSource(BlockSource):
         synchronize(self.device)
         exposed = time.perf_counter() - start
         self._pending = self._executor.submit(self._prepare, contexts, drafts, num_drafts, ranked, logits, sampling)
-        return Proposal(drafts, num_drafts, logits, looked_up, [index is not None for index in found], exposed)
+        return Proposal(drafts, num_drafts, logits, looked_up, [index is not None for index in found], exposed,
+                        failed=failed)
 
     def _lookup(self, row: int, context: list[int]) -> int | None:
         branch = self.branches[row]
@@ -273,24 +283,24 @@ class SuccessorSource(BlockSource):
         for r in range(rows):
             try:
                 prepared.append(self._row_branches(contexts[r], draft_lists[r], anchors[r], keys[r], raw[r], sampling[r]))
-            except Exception:  # this row's processing failed: it misses next round, where its drafting reports it
+            except Exception:  # this row's processing failed: no branches (its next drafting pass reports the error)
                 prepared.append(None)
         return prepared
 
-    def _row_branches(self, context, row_drafts, row_anchors, row_keys, raw, row_sampling) -> PreparedBranches:
-        """One row's branches from its raw successor logits `(blocks, B - 1, vocab)`."""
-        block_size, blocks = self.block_size, len(row_anchors)
-        prefixes = [context + row_drafts[:j] + [token] for token, j in row_anchors[:-1]]
-        prefixes.append(context + row_drafts)
-        processed = torch.stack([process(row_sampling.logits_processor, prefix, raw[k])
-                                 for k, prefix in enumerate(prefixes)])
+    def _row_branches(self, context: list[int], draft_list: list[int], anchors: list[tuple[int, int]],
+                      keys: dict, raw: torch.Tensor, row_sampling: RowSampling) -> PreparedBranches:
+        """One row's branches from its logits `raw` `(K, B - 1, vocab)` of the successor pass."""
+        blocks = len(anchors)
+        prefixes = [context + draft_list[:j] + [token] for token, j in anchors[:-1]]
+        prefixes.append(context + draft_list)
+        processed = torch.stack([process(row_sampling.logits_processor, prefix, raw[k]) for k, prefix in enumerate(prefixes)])
         tokens = torch.stack([choose(block, row_sampling.do_sample, row_sampling.generator) for block in processed])
-        row_keys.setdefault(tuple(row_drafts) + (int(tokens[-1, 0]),), blocks - 1)
+        keys.setdefault(tuple(draft_list) + (int(tokens[-1, 0]),), blocks - 1)
         tokens[-1] = torch.cat([tokens[-1, 1:], tokens.new_zeros(1)])  # full acceptance: after the guess
         processed[-1] = torch.cat([processed[-1, 1:], processed.new_zeros(1, processed.shape[-1])])
         ranked_tokens = processed.topk(min(self.fanout + 1, processed.shape[-1]), dim=-1).indices
-        counts = [block_size - 1] * (blocks - 1) + [block_size - 2]
-        return PreparedBranches(len(context), row_keys, tokens, counts, ranked_tokens,
+        counts = [self.block_size - 1] * (blocks - 1) + [self.block_size - 2]
+        return PreparedBranches(len(context), keys, tokens, counts, ranked_tokens,
                                 processed if row_sampling.do_sample else None)
 
     def observe(self, contexts: list[list[int]], accepted: list[int]) -> tuple[float, float]:

@@ -59,7 +59,7 @@ def build_demo(
                 block_size = gr.Slider(
                     2, trained_block_size, value=trained_block_size, step=1, precision=0, label="block size b",
                     info=f"drafts b - 1 tokens a round; the drafter was trained with B = {trained_block_size}. "
-                    "Below B the successor cache is off (it prepares branches for full blocks).",
+                    "Below B the target verifies only the first b - 1 drafts of each block.",
                 )
                 coverage = gr.Slider(
                     1, trained_block_size, value=min(12, trained_block_size), step=1, precision=0, label="coverage C",

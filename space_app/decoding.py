@@ -1,24 +1,20 @@
-"""What the Space shows, without Gradio: decode live through a streamer, tell how each token came, keep statistics.
+"""What the Space shows, without Gradio: decode live through the D3D engine, tell how each token came, keep statistics.
 
-transformers' `generate` puts the prompt into its streamer once, then each round's new tokens: one token a round for
-the target alone; for assisted generation the accepted drafts followed by the target's own token. The drafter records
-each round's draft (`DraftRound`: what it proposed, whether a prepared branch served it) before the target verifies
-it, so when the round's tokens arrive the draft they were checked against is already known.
+Both columns run `SpeculativeEngine` step by step (the target alone: the engine without a drafter source; D3D async:
+with a `SuccessorSource`). Each round returns a `RoundOutcome` per row, saying how many of its tokens were accepted
+drafts and whether a prepared branch served them, which colours the tokens; the engine's `RoundRecord` gives the
+statistics. Nothing is reconstructed after the fact.
 
-Only what a Hub user has is used here: the target, the loaded drafter (through `drafter.async_generator`) and the
-tokenizer; nothing is imported from the rest of this project, so the folder runs as a Space on its own.
+Only what a Hub user has is used here: the target, the loaded drafter and the tokenizer; the engine comes from the
+drafter's own (remote) code, so the folder runs as a Space on its own.
 """
 
-import copy
-import queue
-import threading
-import time
+import importlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
-from transformers.generation.streamers import BaseStreamer
+from transformers import GenerationConfig, LogitsProcessorList
 
 DRAFT, CACHE, TARGET = "draft", "cache", "target"
 MAX_NEW_TOKENS = 512
@@ -75,83 +71,28 @@ def encode_prompt(tokenizer, prompt: str | None) -> torch.LongTensor:
     return torch.tensor([list(ids)], dtype=torch.long)
 
 
-def token_kinds(added: list[int], drafted: list[int], from_cache: bool) -> list[str]:
-    """How each token of one round came: the accepted drafts (the longest run of `added[:-1]` equal to `drafted`),
-    `CACHE` when a prepared branch served the round else `DRAFT`, then the target's own token(s), `TARGET`."""
-    accepted = 0
-    for token, draft in zip(added[:-1], drafted):
-        if token != draft:
-            break
-        accepted += 1
-    return [CACHE if from_cache else DRAFT] * accepted + [TARGET] * (len(added) - accepted)
+def engine_modules(drafter):
+    """The drafter's own `engine_d3d` and `sources_d3d` modules (its remote code when loaded from the Hub)."""
+    package = type(drafter).__module__.rpartition(".")[0]
+    return importlib.import_module(f"{package}.engine_d3d"), importlib.import_module(f"{package}.sources_d3d")
+
+
+def token_kinds(outcome) -> list[str]:
+    """How each token of one round (a `RoundOutcome`) came: its accepted drafts, `CACHE` when a prepared branch
+    served the round else `DRAFT`, then the target's own token, `TARGET` (none when the length limit cut the round
+    inside the drafts)."""
+    drafted = CACHE if outcome.from_cache else DRAFT
+    return [drafted] * outcome.drafted + [TARGET] * (len(outcome.added) - outcome.drafted)
 
 
 @dataclass
 class Round:
-    """One verification round as it reached the streamer: its tokens, their kinds, where its draft came from, and
-    when it arrived (seconds since `generate` started)."""
+    """One engine round of the Space's row: its tokens, their kinds, and how its draft was served: `cache hit`,
+    `drafting pass`, or `no draft` (the target alone)."""
 
     tokens: list[int]
     kinds: list[str]
-    drafted: bool
-    looked_up: bool
-    from_cache: bool
-    seconds: float
-
-    @property
-    def served(self) -> str:
-        """`cache hit`, `drafting pass`, or `no draft` (the target alone, or a last round left one token)."""
-        return "cache hit" if self.from_cache else "drafting pass" if self.drafted else "no draft"
-
-
-class RoundStreamer(BaseStreamer):
-    """Receives `generate`'s puts on the generating thread and queues one `Round` per verification round.
-
-    assistant: the `D3DAssistedGenerator` of the call (`None` for the target alone); its statistics give the draft a
-    round was verified against. The consumer reads `rounds()` on another thread.
-    """
-
-    def __init__(self, assistant=None):
-        self.assistant = assistant
-        self.queue: queue.Queue = queue.Queue()
-        self.prefix_length: int | None = None
-        self.start = time.perf_counter()
-
-    def put(self, value: torch.Tensor) -> None:
-        tokens = value.reshape(-1).tolist()
-        if self.prefix_length is None:
-            self.prefix_length = len(tokens)
-            return
-        stats = getattr(self.assistant, "generation_stats", None)
-        drafted = stats.rounds_drafted[-1] if stats is not None and stats.rounds_drafted else None
-        if drafted is None or drafted.prefix_length != self.prefix_length:  # the target alone, or an undrafted round
-            round_ = Round(tokens, [TARGET] * len(tokens), False, False, False, time.perf_counter() - self.start)
-        else:
-            kinds = token_kinds(tokens, drafted.drafted, drafted.from_cache)
-            round_ = Round(tokens, kinds, True, drafted.looked_up, drafted.from_cache, time.perf_counter() - self.start)
-        self.prefix_length += len(tokens)
-        self.queue.put(round_)
-
-    def end(self) -> None:
-        self.queue.put(None)
-
-    def fail(self, error: BaseException) -> None:
-        self.queue.put(error)
-
-    def rounds(self) -> Iterator[list[Round]]:
-        """Batches of rounds as they come (at least one each; all that queued up meanwhile), until `end`."""
-        while True:
-            batch = [self.queue.get()]
-            while not self.queue.empty():
-                batch.append(self.queue.get())
-            done = batch[-1] is None or isinstance(batch[-1], BaseException)
-            rounds = [item for item in batch if isinstance(item, Round)]
-            if rounds:
-                yield rounds
-            if isinstance(batch[-1], BaseException):
-                raise batch[-1]
-            if done:
-                return
+    served: str
 
 
 class Detokenizer:
@@ -180,9 +121,11 @@ class Detokenizer:
 
 @dataclass
 class LiveDecode:
-    """One column of the Space: the tokens so far (with kinds and texts) and its statistics."""
+    """One column of the Space: the tokens so far (with kinds and texts), its rounds, and the engine's `RoundRecord`
+    (`record`), from which every statistic is read."""
 
     tokenizer: object
+    record: object
     tokens: list[int] = field(default_factory=list)
     kinds: list[str] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
@@ -192,12 +135,14 @@ class LiveDecode:
     def __post_init__(self):
         self._detokenizer = Detokenizer(self.tokenizer)
 
-    def extend(self, rounds: list[Round]) -> None:
-        for round_ in rounds:
-            self.rounds.append(round_)
-            self.tokens += round_.tokens
-            self.kinds += round_.kinds
-            self.texts += [self._detokenizer.add(token) for token in round_.tokens]
+    def extend(self, outcome, drafting: bool) -> None:
+        """Add one round's `RoundOutcome`; `drafting`: whether a drafter proposed drafts for it."""
+        served = "cache hit" if outcome.from_cache else "drafting pass" if drafting else "no draft"
+        round_ = Round(list(outcome.added), token_kinds(outcome), served)
+        self.rounds.append(round_)
+        self.tokens += round_.tokens
+        self.kinds += round_.kinds
+        self.texts += [self._detokenizer.add(token) for token in round_.tokens]
 
     def finish(self) -> None:
         if self.texts:
@@ -215,55 +160,53 @@ class LiveDecode:
 
     @property
     def tau(self) -> float:
-        return len(self.tokens) / len(self.rounds) if self.rounds else float("nan")
+        return self.record.tau
 
     @property
     def hit_rate(self) -> float:
-        """Rounds served from a prepared branch over the rounds that looked one up."""
-        lookups = sum(round_.looked_up for round_ in self.rounds)
-        return sum(round_.from_cache for round_ in self.rounds) / lookups if lookups else float("nan")
+        """Rounds served from a prepared branch over the rounds that looked one up (the engine's record)."""
+        rate = self.record.hit_rate
+        return float("nan") if rate is None else rate
 
     @property
     def seconds(self) -> float:
-        """From the start of `generate` to the latest round."""
-        return self.rounds[-1].seconds if self.rounds else 0.0
+        """The engine's time: prefill and every round so far (hidden drafting excluded: it ran meanwhile)."""
+        return self.record.prefill_seconds + self.record.seconds
 
     @property
     def tokens_per_second(self) -> float:
         return len(self.tokens) / self.seconds if self.seconds else float("nan")
 
 
-class StopOnEvent(StoppingCriteria):
-    """Stops `generate` at the end of the current round once `event` is set (the user went away)."""
+class DraftLimit:
+    """A drafter source proposing at most `drafts` tokens a round (the Space's block size `b < B`): the engine
+    verifies only the first `drafts` of each proposal. Everything else is the wrapped source's."""
 
-    def __init__(self, event: threading.Event):
-        self.event = event
+    def __init__(self, source, drafts: int):
+        self.source, self.drafts = source, drafts
 
-    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
-        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
-
-
-class DraftLength:
-    """A D3D generator seen by the assisted loop as asking for `drafts` tokens a round instead of `B - 1`.
-
-    transformers reads the draft length from the assistant's generation config; this gives one request its own copy
-    and passes everything else to `generator`.
-    """
-
-    def __init__(self, generator, drafts: int):
-        self.generator = generator
-        self.generation_config = copy.deepcopy(generator.generation_config)
-        self.generation_config.num_assistant_tokens = drafts
+    def propose(self, contexts: list[list[int]], sampling):
+        proposal = self.source.propose(contexts, sampling)
+        proposal.num_drafts = proposal.num_drafts.clamp(max=self.drafts)
+        return proposal
 
     def __getattr__(self, name: str):
-        return getattr(self.generator, name)
+        return getattr(self.source, name)
 
 
-def generate_kwargs(settings: Settings) -> dict:
-    """The sampling arguments of `generate` for `settings` (greedy at temperature 0)."""
-    if settings.temperature == 0:
-        return {"do_sample": False, "max_new_tokens": settings.max_new_tokens}
-    return {"do_sample": True, "temperature": settings.temperature, "max_new_tokens": settings.max_new_tokens}
+def row_settings(engine_module, target, prompt_ids: torch.LongTensor, settings: Settings):
+    """The engine's `RowSettings` for `settings`: the target's logits processors and EOS as `generate` builds them
+    from its generation config (greedy at temperature 0, else sampling at `temperature`)."""
+    config = GenerationConfig.from_dict(target.generation_config.to_dict())
+    sampling = {"do_sample": False} if settings.temperature == 0 else {"do_sample": True, "temperature": settings.temperature}
+    config.update(max_new_tokens=settings.max_new_tokens, **sampling)
+    processors = target._get_logits_processor(
+        generation_config=config, input_ids_seq_length=prompt_ids.shape[1], encoder_input_ids=prompt_ids,
+        logits_processor=LogitsProcessorList(), device=str(target.device),
+    )
+    eos = config.eos_token_id
+    eos_ids = frozenset(torch.as_tensor(eos).reshape(-1).tolist()) if eos is not None else frozenset()
+    return engine_module.RowSettings(settings.max_new_tokens, bool(config.do_sample), eos_ids, processors)
 
 
 def check_prompt_length(target, prompt_ids: torch.LongTensor, max_new_tokens: int) -> None:
@@ -291,48 +234,44 @@ def compare_live(
     """The target alone, then D3D async, on the same prompt `(1, L)` and settings: one after the other, so that
     neither slows the other down. Yields `(target_alone, d3d)` as rounds arrive, `d3d` being `None` until its turn.
 
-    Each call makes its own asynchronous generator (closed at the end): concurrent calls share only the weights.
+    Each call makes its own engines (closed at the end): concurrent calls share only the weights.
     """
-    for alone in decode_live(target, tokenizer, prompt_ids, settings):
+    for alone in decode_live(target, drafter, tokenizer, prompt_ids, settings, draft=False):
         yield alone, None
-    with drafter.async_generator(coverage=settings.coverage, fanout=settings.fanout) as generator:
-        assistant = DraftLength(generator, settings.block_size - 1)
-        for d3d in decode_live(target, tokenizer, prompt_ids, settings, assistant):
-            yield alone, d3d
+    for d3d in decode_live(target, drafter, tokenizer, prompt_ids, settings):
+        yield alone, d3d
 
 
-def decode_live(target, tokenizer, prompt_ids: torch.LongTensor, settings: Settings, assistant=None) -> Iterator[LiveDecode]:
-    """Decode `prompt_ids` `(1, L)` with `target.generate` on a thread (assisted by `assistant` when given); yield the
-    `LiveDecode` each time rounds arrive, finished (`done`) on the last yield. Closing the iterator stops `generate`
-    after its current round."""
-    live = LiveDecode(tokenizer)
-    streamer = RoundStreamer(assistant)
-    stop = threading.Event()
-
-    def work() -> None:
-        try:
-            target.generate(
-                prompt_ids.to(target.device), streamer=streamer, assistant_model=assistant,
-                stopping_criteria=StoppingCriteriaList([StopOnEvent(stop)]), **generate_kwargs(settings),
-            )
-        except BaseException as error:  # handed to the consumer, which raises it
-            streamer.fail(error)
-
-    thread = threading.Thread(target=work, name="d3d-space-generate", daemon=True)
-    thread.start()
+def decode_live(target, drafter, tokenizer, prompt_ids: torch.LongTensor, settings: Settings,
+                draft: bool = True) -> Iterator[LiveDecode]:
+    """Decode `prompt_ids` `(1, L)` with the drafter's `SpeculativeEngine`, one round per step: with `drafter`
+    through a `SuccessorSource` (coverage, fanout; `block_size - 1` drafts a round), or the target alone
+    (`draft=False`). Yields the `LiveDecode` after every round, finished (`done`) on the last yield. Closing the
+    iterator stops after the current round; an error of a round reaches the consumer."""
+    engine_module, sources_module = engine_modules(drafter)
+    source = None
+    if draft:
+        successor = sources_module.SuccessorSource(drafter, settings.coverage, settings.fanout)
+        source = successor if settings.block_size == drafter.config.block_size else DraftLimit(
+            successor, settings.block_size - 1)
+    engine = engine_module.SpeculativeEngine(target, source, max_length=prompt_ids.shape[1] + settings.max_new_tokens)
+    live = LiveDecode(tokenizer, engine.record)
     try:
-        for rounds in streamer.rounds():
-            live.extend(rounds)
+        engine.add(0, prompt_ids[0].tolist(), row_settings(engine_module, target, prompt_ids, settings))
+        while len(engine):
+            for outcome in engine.step():
+                if outcome.error is not None:
+                    raise outcome.error
+                live.extend(outcome, drafting=source is not None)
             yield live
         live.finish()
         yield live
     finally:
-        stop.set()
-        thread.join()
+        engine.close()
 
 
 __all__ = [
-    "CACHE", "DRAFT", "TARGET", "MAX_FANOUT", "MAX_NEW_TOKENS", "MAX_TEMPERATURE", "Detokenizer", "DraftLength",
-    "LiveDecode", "Round", "RoundStreamer", "Settings", "StopOnEvent", "check_prompt_length", "check_settings",
-    "compare_live", "decode_live", "encode_prompt", "generate_kwargs", "prepare_request", "token_kinds", "whole_number",
+    "CACHE", "DRAFT", "TARGET", "MAX_FANOUT", "MAX_NEW_TOKENS", "MAX_TEMPERATURE", "Detokenizer", "DraftLimit",
+    "LiveDecode", "Round", "Settings", "check_prompt_length", "check_settings", "compare_live", "decode_live",
+    "encode_prompt", "engine_modules", "prepare_request", "row_settings", "token_kinds", "whole_number",
 ]

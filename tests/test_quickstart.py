@@ -60,7 +60,7 @@ def test_the_drafter_folder_loads_with_remote_code_in_a_fresh_process(output):
 def test_the_model_card_usage_snippet_runs_as_written(output):
     card = (output / "drafter" / "README.md").read_text()
     snippet = re.search(r"```python\n(.*?)```", card, re.S).group(1)
-    assert "trust_remote_code=True" in snippet and "async_generator" in snippet
+    assert "trust_remote_code=True" in snippet and "generate_batch" in snippet and "asynchronous=True" in snippet
     result = run_without_project(snippet, cwd=output.parent)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().startswith("def fibonacci(n):")

@@ -30,6 +30,12 @@ FRESH_PROCESS = """
     selective = model.speculative_generate(target, ids, selective_prefill=0.5, chunk_size=3, max_new_tokens=12)
     assert selective.selection.kept == model.select_prompt_chunks(ids, 0.5, 3).kept
     assert torch.equal(selective.sequences, target.generate(selective.prompt_ids, max_new_tokens=12, do_sample=False))
+    batch = torch.cat([ids, ids.flip(1)])
+    assert torch.equal(model.generate_batch(target, batch, max_new_tokens=12, do_sample=False),
+                       torch.cat([target.generate(row[None], max_new_tokens=12, do_sample=False) for row in batch]))
+    assert model.generation_stats.new_tokens == 24
+    with model.batch_server(target, max_batch_size=2) as server:
+        assert server.submit(ids, max_new_tokens=12).result(timeout=60) == plain[0, ids.shape[1]:].tolist()
     print("loaded", type(model).__module__)
 """
 
@@ -40,8 +46,9 @@ def test_save_pretrained_writes_remote_code_that_loads_in_a_fresh_process(tmp_pa
     config = (tmp_path / "config.json").read_text()
     assert '"AutoModel": "modeling_d3d.D3DForBlockDiffusion"' in config
     assert '"AutoConfig": "configuration_d3d.D3DConfig"' in config
-    for name in ("configuration_d3d.py", "modeling_d3d.py", "masking_d3d.py", "speculative_d3d.py", "async_d3d.py",
-                 "prefill_d3d.py"):
+    shipped = {path.name for path in (Path(__file__).parents[1] / "modeling_d3d").glob("*_d3d.py")}
+    assert {"engine_d3d.py", "sources_d3d.py", "generation_d3d.py", "serving_d3d.py"} <= shipped
+    for name in shipped:  # every module of the package travels (modeling_d3d.py imports them all, recursively)
         assert (tmp_path / name).is_file(), name
     ids = torch.randint(0, 90, (1, 11))
     with torch.no_grad():

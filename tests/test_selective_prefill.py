@@ -7,7 +7,9 @@ import threading
 import pytest
 import torch
 
-from modeling_d3d import d3d_generate, select_prompt_chunks
+from transformers.cache_utils import DynamicCache
+
+from modeling_d3d import BlockSource, RowSettings, SpeculativeEngine, d3d_generate, select_prompt_chunks, speculative_generate
 from modeling_d3d.masking_d3d import block_layout
 from modeling_d3d.prefill_d3d import chunk_spans, probe_token_importance
 from space_app.prefill_view import kept_chunks_html
@@ -52,15 +54,29 @@ def test_reduced_output_is_the_targets_greedy_output_on_the_kept_chunks(models, 
     assert reduced.shape[1] < ids.shape[1]
     assert torch.equal(result.sequences, target.generate(reduced, max_new_tokens=NEW_TOKENS, do_sample=False))
     assert result.stats.new_tokens == NEW_TOKENS
-    # The first block was drafted from the full prompt, not from the reduced one the target read.
-    assert result.stats.rounds_drafted[0].drafted == drafter.draft_block(ids).tokens[0].tolist()
 
-    # The drafter's cache holds the FULL prompt followed by the accepted tokens (up to the last anchor).
-    assistant = result.assistant
-    expected = torch.cat([ids, result.new_tokens], dim=1)[0, :-1].tolist()
-    assert assistant.cached_ids[: ids.shape[1]] == ids[0].tolist()
-    assert assistant.cached_ids == expected[: len(assistant.cached_ids)]
-    assert assistant.cache.get_seq_length() == len(assistant.cached_ids) > ids.shape[1]
+
+@torch.no_grad()
+def test_the_drafter_cache_holds_the_full_prompt_and_the_accepted_tokens(models):
+    """Under selective prefill the engine's row reads the reduced prompt in the target and the FULL prompt in the
+    drafter: the drafter's cache row equals a causal prefill of the full prompt followed by the generated tokens."""
+    target, drafter = models
+    ids = prompt(150, seed=1)
+    reduced = select_prompt_chunks(drafter, ids, 0.3, 16).reduce(ids)
+    source = BlockSource(drafter)
+    engine = SpeculativeEngine(target, source, max_length=ids.shape[1] + NEW_TOKENS)
+    engine.add(0, reduced[0].tolist(), RowSettings(NEW_TOKENS), drafter_prompt=ids[0].tolist())
+    for _ in range(3):
+        engine.step()
+    row = engine.rows[0]
+    committed = source.committed[0]
+    assert row.drafter_context[: ids.shape[1]] == ids[0].tolist() and committed > ids.shape[1]
+    expected = DynamicCache(config=drafter.config)
+    drafter(input_ids=torch.tensor([row.drafter_context[:committed]]), past_key_values=expected, use_cache=True)
+    for layer in range(len(drafter.model.layers)):
+        torch.testing.assert_close(source.cache.keys[layer][0, :, :committed], expected.layers[layer].keys[0],
+                                   atol=1e-5, rtol=1e-4)
+    engine.close()
 
 
 @pytest.mark.parametrize("length, chunk_size, retention", [(150, 16, 0.1), (150, 16, 0.2), (97, 10, 0.3), (40, 7, 0.5), (33, 64, 0.2)])
@@ -202,14 +218,15 @@ def test_bad_arguments_raise_a_clear_value_error(models, ids, retention, chunk_s
         d3d_generate(target, drafter, ids, selective_prefill=retention, chunk_size=chunk_size, max_new_tokens=4)
 
 
-def test_the_drafter_refuses_a_target_prompt_it_was_not_prepared_for(models):
+def test_a_drafter_prompt_that_does_not_end_with_the_targets_anchor_is_refused(models):
     target, drafter = models
     ids = prompt(64, seed=6)
     result = d3d_generate(target, drafter, ids, selective_prefill=0.25, chunk_size=8, max_new_tokens=4)
     other = result.prompt_ids.clone()
-    other[0, 0] = (other[0, 0] + 1) % 90
-    with pytest.raises(ValueError, match="another prompt"):
-        target.generate(other, assistant_model=result.assistant, max_new_tokens=4, do_sample=False)
+    other[0, -1] = (other[0, -1] + 1) % 90
+    with pytest.raises(ValueError, match="must end with the target's last prompt token"):
+        target.generate(other, custom_generate=speculative_generate, drafter=drafter, drafter_input_ids=ids,
+                        max_new_tokens=4, do_sample=False)
 
 
 def test_the_drafter_methods_are_the_functions(models):
@@ -244,5 +261,5 @@ def test_sampling_on_the_reduced_prompt_runs_and_records_its_rounds(models):
         target, drafter, ids, selective_prefill=0.2, chunk_size=16, max_new_tokens=10, do_sample=True, top_k=20
     )
     assert result.new_tokens.shape == (1, 10)
-    assert result.stats.new_tokens == 10 and result.stats.settled
+    assert result.stats.new_tokens == 10 and sum(len(o.added) for outcomes, _ in result.stats.history for o in outcomes) == 10
     assert result.prompt_ids.shape[1] == result.selection.kept_length < ids.shape[1]

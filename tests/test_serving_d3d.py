@@ -6,9 +6,10 @@ from concurrent.futures import CancelledError
 
 import pytest
 import torch
-from transformers import LogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers import (LogitsProcessor, StoppingCriteria, StoppingCriteriaList, TemperatureLogitsWarper,
+                          TopKLogitsWarper, TopPLogitsWarper)
 
-from conftest import tiny_target
+from conftest import tiny_target, word_tokenizer
 from modeling_d3d import D3DBatchServer, D3DForBlockDiffusion
 
 WAIT = 60
@@ -118,7 +119,7 @@ def test_a_failing_batched_pass_fails_its_requests_and_the_server_goes_on(models
     failures = [RuntimeError("the drafter broke")]
 
     def explode(module, args, kwargs):
-        if failures and kwargs.get("block_ids") is not None:  # the first batched drafting pass, not a prefill
+        if failures and (kwargs["input_ids"] == drafter.config.mask_token_id).any():  # a drafting pass, not a prefill
             raise failures.pop()
 
     hook = drafter.register_forward_pre_hook(explode, with_kwargs=True)
@@ -174,6 +175,48 @@ def test_bad_requests_are_refused_at_submission(models):
             server.submit([1], max_new_tokens=0)
         with pytest.raises(ValueError, match="token ids"):
             server.submit([1, 99], max_new_tokens=3)
-        with pytest.raises(ValueError, match="max_position_embeddings"):
+        with pytest.raises(ValueError, match="exceeds this engine's max_length 512"):
             server.submit([1] * 400, max_new_tokens=200)
         assert server.submit([1], max_new_tokens=3).result(timeout=WAIT) == alone(target, [1], 3)
+
+
+class StopAfterRepeat(StoppingCriteria):
+    """Stops a row once its last two tokens are equal (a criterion reading the whole sequence)."""
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == input_ids[:, -2]
+
+
+def submitted_together(server, requests: list[list[int]], **settings) -> list[list[int]]:
+    """Submit every request before any decodes (the server is paused on its lock), then their results."""
+    with server._condition:  # the scheduler waits here, so all requests join the same first batch
+        handles = [server.submit(prompt, **settings) for prompt in requests]
+    return [handle.result(timeout=WAIT) for handle in handles]
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_stop_strings_and_custom_criteria_stop_where_the_target_alone_stops(models, asynchronous):
+    target, drafter = models
+    tokenizer = word_tokenizer(num_words=8, words=("abcdef",))  # StopStringCriteria tokenizes "abcdef"
+    requests = prompts(4, seed=5)
+    first, second = alone(target, requests[0], 25), alone(target, requests[1], 25)
+    stop_strings = [tokenizer.decode(first[6:8]), tokenizer.decode(second[12:13])]  # strings these rows reach
+    criteria = {"stop_strings": stop_strings}, {"stopping_criteria": StoppingCriteriaList([StopAfterRepeat()])}
+    with D3DBatchServer(target, drafter, max_batch_size=4, asynchronous=asynchronous, tokenizer=tokenizer) as server:
+        for stop in criteria:
+            results = submitted_together(server, requests, max_new_tokens=25, **stop)
+            for prompt, result in zip(requests, results):
+                out = target.generate(torch.tensor([prompt]), max_new_tokens=25, do_sample=False, tokenizer=tokenizer, **stop)
+                assert result == out[0, len(prompt):].tolist()
+            assert any(len(result) < 25 for result in results), "some row stopped early"
+        assert max(len(outcomes) for outcomes, _ in server.stats.history) == len(requests), "rows decoded together"
+
+
+def test_stop_strings_need_the_tokenizer_and_beam_search_is_refused_at_submission(models):
+    target, drafter = models
+    with D3DBatchServer(target, drafter) as server:
+        with pytest.raises(ValueError, match="tokenizer"):
+            server.submit([1, 2], max_new_tokens=4, stop_strings=["w1"])
+        with pytest.raises(ValueError, match="beam"):
+            server.submit([1, 2], max_new_tokens=4, num_beams=3)
+        assert server.stats.rounds == 0 and not server._queues.waiting

@@ -11,8 +11,8 @@ from transformers import PreTrainedTokenizerFast
 from cli.main import build_parser
 from conftest import run_without_project
 from space_app.decoding import (
-    CACHE, DRAFT, TARGET, Detokenizer, DraftLength, Settings, check_settings, compare_live, decode_live,
-    encode_prompt, prepare_request, token_kinds,
+    CACHE, DRAFT, TARGET, Detokenizer, Settings, check_settings, compare_live, decode_live, encode_prompt,
+    engine_modules, prepare_request, token_kinds,
 )
 from modeling_d3d.prefill_d3d import PromptSelection, chunk_spans
 from space_app.loading import DEFAULT_DRAFTER, DEFAULT_QUEUE_SIZE, DEFAULT_TARGET, model_sources
@@ -33,32 +33,47 @@ def space_models(tmp_path_factory):
     return load_tiny_models(tmp_path_factory.mktemp("space-models"))
 
 
-def test_token_kinds_split_accepted_drafts_from_the_target_token():
-    assert token_kinds([5, 6, 9], [5, 6, 7, 8], from_cache=False) == [DRAFT, DRAFT, TARGET]
-    assert token_kinds([5, 6, 7, 8, 4], [5, 6, 7, 8], from_cache=True) == [CACHE] * 4 + [TARGET]
-    assert token_kinds([3], [5, 6], from_cache=True) == [TARGET]
-    assert token_kinds([5], [], from_cache=False) == [TARGET]
+def test_token_kinds_split_accepted_drafts_from_the_target_token(space_models):
+    _, drafter, _ = space_models
+    outcome = engine_modules(drafter)[0].RoundOutcome
+    assert token_kinds(outcome(0, [5, 6, 9], False, drafted=2)) == [DRAFT, DRAFT, TARGET]
+    assert token_kinds(outcome(0, [5, 6, 7, 8, 4], False, drafted=4, from_cache=True)) == [CACHE] * 4 + [TARGET]
+    assert token_kinds(outcome(0, [3], True, drafted=0, from_cache=True)) == [TARGET]
+    assert token_kinds(outcome(0, [5, 6], True, drafted=2)) == [DRAFT, DRAFT]  # the length limit cut the drafts
 
 
-def test_live_kinds_and_statistics_agree_with_the_generator_and_the_target(space_models):
+def matched_drafts(drafter, context: list[int], added: list[int], limit: int) -> int:
+    """How many of `added` the drafter's own block draft for `context` (at most `limit` drafts) predicted."""
+    drafts = drafter.draft_block(torch.tensor([context])).tokens[0, :limit].tolist()
+    count = 0
+    while count < min(len(drafts), len(added) - 1) and drafts[count] == added[count]:
+        count += 1
+    return count
+
+
+def test_live_kinds_and_statistics_agree_with_the_engine_and_the_target(space_models):
     target, drafter, tokenizer = space_models
     prompt_ids = prepare_request(target, drafter, tokenizer, PROMPT, GREEDY)
     reference, reference_text = greedy_text(target, tokenizer, PROMPT, GREEDY.max_new_tokens)
-    with drafter.async_generator(coverage=GREEDY.coverage, fanout=GREEDY.fanout) as generator:
-        seen = []
-        for live in decode_live(target, tokenizer, prompt_ids, GREEDY, DraftLength(generator, BLOCK_SIZE - 1)):
-            seen.append((len(live.tokens), live.done))
-        stats = generator.generation_stats.settle(torch.tensor([prompt_ids[0].tolist() + reference]))
+    seen = []
+    for live in decode_live(target, drafter, tokenizer, prompt_ids, GREEDY):
+        seen.append((len(live.tokens), live.done))
     assert seen[-1] == (len(reference), True) and not any(done for _, done in seen[:-1])
     assert live.tokens == reference and live.text == reference_text
-    assert live.accepted_lengths == stats.accepted_lengths
-    assert live.hit_rate == pytest.approx(stats.hit_rate) and live.tau == pytest.approx(stats.tau)
-    for round_, drafted in zip(live.rounds, stats.rounds_drafted):
-        accepted = [token for token, kind in zip(round_.tokens, round_.kinds) if kind != TARGET]
-        assert accepted == drafted.drafted[: len(accepted)] and round_.kinds[-1] == TARGET
-        assert set(round_.kinds[:-1]) <= {CACHE if drafted.from_cache else DRAFT}
-        assert round_.from_cache == drafted.from_cache and round_.looked_up == drafted.looked_up
-    assert live.kinds.count(TARGET) == len(live.rounds)
+    record = live.record
+    outcomes = [outcome for round_outcomes, _ in record.history for outcome in round_outcomes]
+    assert live.accepted_lengths == [len(outcome.added) for outcome in outcomes] and record.rounds == len(live.rounds)
+    assert live.hit_rate == pytest.approx(record.cache_hits / record.lookups)
+    assert live.tau == pytest.approx(len(reference) / len(live.rounds))
+    context = prompt_ids[0].tolist()
+    for round_, outcome in zip(live.rounds, outcomes):
+        assert round_.kinds == [CACHE if outcome.from_cache else DRAFT] * outcome.drafted + [TARGET] * (
+            len(round_.tokens) - outcome.drafted)
+        assert round_.served == ("cache hit" if outcome.from_cache else "drafting pass")
+        if not outcome.from_cache:  # a drafting pass: its accepted drafts are the drafter's block draft's own
+            assert outcome.drafted == matched_drafts(drafter, context, round_.tokens, BLOCK_SIZE - 1)
+        context += round_.tokens
+    assert all(kinds[-1] == TARGET for kinds in (r.kinds for r in live.rounds[:-1]))
     assert {DRAFT, CACHE, TARGET} <= set(live.kinds), "these tiny models agree often enough to show every kind"
 
 
@@ -77,13 +92,17 @@ def test_compare_live_streams_the_target_alone_then_d3d_and_both_equal_greedy(sp
 def test_an_error_while_generating_reaches_the_consumer(space_models):
     target, drafter, tokenizer = space_models
 
-    class FailingDrafter(DraftLength):
-        def generate(self, *args, **kwargs):
+    def explode(module, args, kwargs):
+        if (kwargs["input_ids"] == drafter.config.mask_token_id).any():  # a drafting pass, not a prefill
             raise RuntimeError("the drafter failed")
 
     prompt_ids = prepare_request(target, drafter, tokenizer, PROMPT, GREEDY)
-    with drafter.async_generator() as generator, pytest.raises(RuntimeError, match="the drafter failed"):
-        list(decode_live(target, tokenizer, prompt_ids, GREEDY, FailingDrafter(generator, BLOCK_SIZE - 1)))
+    hook = drafter.register_forward_pre_hook(explode, with_kwargs=True)
+    try:
+        with pytest.raises(RuntimeError, match="the drafter failed"):
+            list(decode_live(target, drafter, tokenizer, prompt_ids, GREEDY))
+    finally:
+        hook.remove()
 
 
 def test_a_smaller_block_drafts_fewer_tokens_and_stays_lossless(space_models):
