@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from benchmark.measure import MethodRun, acceptance_length, decode_one
 from benchmark.report import pyplot
+from modeling_d3d.generation_d3d import speculative_generate
 
 from .d3d_trainer import D3DTrainer, D3DTrainingArguments
 
@@ -42,12 +43,15 @@ def drop_layer(drafter, index: int):
 
 
 def decoding_speed(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int) -> tuple[float, float, float]:
-    """(τ, D3D tokens/s, speedup over the target alone) on `prompts`, the two methods interleaved per prompt."""
-    alone, assisted = MethodRun("target"), MethodRun("d3d")
+    """(τ, D3D tokens/s, speedup over the target alone at its fastest) on `prompts`: D3D through the engine, the
+    target alone through plain `generate` and through the engine, interleaved per prompt."""
+    generate, alone, d3d = MethodRun("target generate"), MethodRun("target alone, engine"), MethodRun("d3d")
     for prompt in tqdm(prompts, desc="speed", leave=False):
-        decode_one(target, prompt, max_new_tokens, alone)
-        decode_one(target, prompt, max_new_tokens, assisted, assistant_model=drafter)
-    return assisted.tau, assisted.tokens_per_second, assisted.tokens_per_second / alone.tokens_per_second
+        decode_one(target, prompt, max_new_tokens, generate)
+        decode_one(target, prompt, max_new_tokens, alone, custom_generate=speculative_generate, drafter=None)
+        decode_one(target, prompt, max_new_tokens, d3d, custom_generate=speculative_generate, drafter=drafter)
+    fastest = max(generate.tokens_per_second, alone.tokens_per_second)
+    return d3d.tau, d3d.tokens_per_second, d3d.tokens_per_second / fastest
 
 
 def prune(
