@@ -6,6 +6,8 @@ until every row ends. Batches of left-padded prompts, greedy and sampling, strea
 custom stopping criteria, EOS and `max_new_tokens` behave as in the target's own `generate`.
 """
 
+import copy
+
 import torch
 from transformers import LogitsProcessorList
 from transformers.generation.configuration_utils import GenerationMode
@@ -14,9 +16,10 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .engine_d3d import RoundRecord, RowSettings, SpeculativeEngine
 from .sources_d3d import DEFAULT_FANOUT, BlockSource, SuccessorSource
 
-# generate settings whose processors depend on the prompt's length: built per row when prompts are padded.
+# generate settings whose processors depend on the prompt's length (or, for repetition_penalty, its padding): built
+# per row when prompts are padded.
 LENGTH_DEPENDENT_SETTINGS = ("min_length", "min_new_tokens", "forced_eos_token_id", "begin_suppress_tokens",
-                             "exponential_decay_length_penalty")
+                             "exponential_decay_length_penalty", "repetition_penalty")
 UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
 
@@ -49,12 +52,16 @@ def eos_ids(generation_config) -> frozenset[int]:
 
 
 def row_processors(model, generation_config, logits_processor: LogitsProcessorList, prompt: torch.Tensor,
-                   padded: bool) -> LogitsProcessorList:
+                   padded: bool, max_new_tokens: int | None = None) -> LogitsProcessorList:
     """The processors of one row. When prompts are padded and a setting depends on the prompt's length, generate's
-    processors (built for the padded width) are rebuilt for this row's own length; processors a user passed in
-    `logits_processor=` are kept as they are."""
+    processors (built for the padded width) are rebuilt for this row's own length (and its own `max_length`, the
+    prompt + `max_new_tokens`, which `forced_eos_token_id` reads); processors a user passed in `logits_processor=`
+    are kept as they are."""
     if not padded or not any(getattr(generation_config, name, None) for name in LENGTH_DEPENDENT_SETTINGS):
         return logits_processor
+    if max_new_tokens is not None:
+        generation_config = copy.deepcopy(generation_config)
+        generation_config.max_length = prompt.shape[0] + max_new_tokens
     built = model._get_logits_processor(generation_config, input_ids_seq_length=prompt.shape[0],
                                         encoder_input_ids=prompt[None], device=prompt.device)
     built_types = {type(p) for p in built}
@@ -128,7 +135,7 @@ def speculative_generate(
     try:
         for r, prompt in enumerate(prompts):
             settings = RowSettings(max_new_tokens, bool(generation_config.do_sample), eos_ids(generation_config),
-                                   row_processors(model, generation_config, logits_processor, prompt, padded),
+                                   row_processors(model, generation_config, logits_processor, prompt, padded, max_new_tokens),
                                    stopping_criteria)
             engine.add(r, prompt.tolist(), settings, drafter_prompt)
         if streamer is not None:

@@ -49,7 +49,7 @@ class Proposal:
     """One round's candidates. drafts `(rows, m)` long and num_drafts `(rows,)` (real drafts per row; the rest is
     padding); logits `(rows, m, vocab)` processed (q = softmax), None when no row samples; looked_up / hits: per row,
     whether prepared branches were searched and whether one served it; exposed_seconds: drafting the target waited
-    for."""
+    for; errors: rows whose own drafting step (their logits processors) failed, by row index (those rows end)."""
 
     drafts: torch.Tensor
     num_drafts: torch.Tensor
@@ -58,6 +58,7 @@ class Proposal:
     hits: list[bool]
     exposed_seconds: float = 0.0
     hidden_seconds: float = 0.0
+    errors: dict[int, Exception] = field(default_factory=dict)
 
 
 def synchronize(device: torch.device) -> None:
@@ -66,15 +67,27 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def drafts_from_logits(raw: torch.Tensor, contexts: list[list[int]], sampling: list[RowSampling]):
+def drafts_from_logits(raw: torch.Tensor, contexts: list[list[int]], sampling: list[RowSampling],
+                       errors: dict[int, Exception] | None = None):
     """Per row: its processors over raw block logits `(rows, m, vocab)` (context: its tokens), then argmax or a draw.
-    Returns drafts `(rows, m)`, the processed logits `(rows, m, vocab)` (the raw ones when no row has processors)
-    and whether any row samples (then q = softmax of them matters)."""
+    Returns drafts `(rows, m)` and the processed logits `(rows, m, vocab)` (the raw ones when no row has
+    processors). With `errors`, a row whose processing fails is drafted from its raw logits and its exception is
+    put in `errors[row]` (that row ends; the others go on); without, the exception propagates."""
     if not any(s.logits_processor or s.do_sample for s in sampling):
         return raw.argmax(-1), raw
-    rows = torch.stack([process(s.logits_processor, context, raw[r]) for r, (context, s) in enumerate(zip(contexts, sampling))])
-    drafts = torch.stack([choose(logits, s.do_sample, s.generator) for logits, s in zip(rows, sampling)])
-    return drafts, rows
+    rows, drafts = [], []
+    for r, (context, s) in enumerate(zip(contexts, sampling)):
+        try:
+            logits = process(s.logits_processor, context, raw[r])
+            tokens = choose(logits, s.do_sample, s.generator)
+        except Exception as error:
+            if errors is None:
+                raise
+            errors[r] = error
+            logits, tokens = raw[r], raw[r].argmax(-1)
+        rows.append(logits)
+        drafts.append(tokens)
+    return torch.stack(drafts), torch.stack(rows)
 
 
 class BlockSource:
@@ -110,19 +123,22 @@ class BlockSource:
 
     def propose(self, contexts: list[list[int]], sampling: list[RowSampling]) -> Proposal:
         start = time.perf_counter()
-        drafts, logits = self._draft_all(contexts, sampling)
+        errors: dict[int, Exception] = {}
+        drafts, logits = self._draft_all(contexts, sampling, errors)
         synchronize(self.device)
         rows = len(contexts)
         return Proposal(drafts, torch.full((rows,), self.block_size - 1, device=drafts.device),
                         logits if any(s.do_sample for s in sampling) else None, [False] * rows, [False] * rows,
-                        time.perf_counter() - start)
+                        time.perf_counter() - start, errors=errors)
 
-    def _draft_all(self, contexts: list[list[int]], sampling: list[RowSampling]):
-        """One block pass for every row: drafts `(rows, B - 1)` and their processed logits."""
+    def _draft_all(self, contexts: list[list[int]], sampling: list[RowSampling],
+                   errors: dict[int, Exception] | None = None):
+        """One block pass for every row: drafts `(rows, B - 1)` and their processed logits (see
+        `drafts_from_logits` for `errors`)."""
         raw = block_pass(self.drafter, self.cache, contexts, self.committed[: len(contexts)], self.forward)
         for row, context in enumerate(contexts):
             self.committed[row] = len(context) - 1
-        return drafts_from_logits(raw, contexts, sampling)
+        return drafts_from_logits(raw, contexts, sampling, errors)
 
     def observe(self, contexts: list[list[int]], accepted: list[int]) -> tuple[float, float]:
         """Nothing to do: the cache holds each row's tokens before its old anchor, a prefix of its new context.
@@ -177,7 +193,8 @@ class SuccessorSource(BlockSource):
         self.coverage, self.fanout = coverage, fanout
         self.budget_tokens = block_size * ((coverage - 1) * fanout + 2)
         self.scratch_blocks = (coverage - 1) * fanout + 4
-        self.branches: list[PreparedBranches | None] = []
+        self.branches: list[PreparedBranches | Exception | None] = []  # an Exception: that row's worker step failed
+        self._closed = False
         self._pending: Future | None = None
         self._executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="d3d-drafter",
@@ -202,10 +219,13 @@ class SuccessorSource(BlockSource):
         self.branches[destination] = self.branches[source]
 
     def propose(self, contexts: list[list[int]], sampling: list[RowSampling]) -> Proposal:
+        if self._closed:
+            raise RuntimeError("This SuccessorSource is closed; create a new one")
         start = time.perf_counter()
         self.wait()
         rows, width, sampled = len(contexts), self.block_size - 1, any(s.do_sample for s in sampling)
-        looked_up = [self.branches[r] is not None for r in range(rows)]
+        errors = {r: self.branches[r] for r in range(rows) if isinstance(self.branches[r], Exception)}
+        looked_up = [isinstance(self.branches[r], PreparedBranches) for r in range(rows)]
         found = [self._lookup(r, contexts[r]) for r in range(rows)]
         if all(index is not None for index in found):
             first = self.branches[0]
@@ -213,7 +233,7 @@ class SuccessorSource(BlockSource):
             ranked = first.ranked.new_zeros(rows, width, first.ranked.shape[-1])
             logits = torch.zeros(rows, width, self.drafter.config.vocab_size, device=drafts.device) if sampled else None
         else:
-            drafts, processed = self._draft_all(contexts, sampling)
+            drafts, processed = self._draft_all(contexts, sampling, errors)
             ranked = processed.topk(min(self.fanout + 1, processed.shape[-1]), dim=-1).indices
             logits = processed if sampled else None
         counts = [width] * rows
@@ -231,11 +251,12 @@ class SuccessorSource(BlockSource):
         synchronize(self.device)
         exposed = time.perf_counter() - start
         self._pending = self._executor.submit(self._prepare, contexts, drafts, num_drafts, ranked, logits, sampling)
-        return Proposal(drafts, num_drafts, logits, looked_up, [index is not None for index in found], exposed)
+        return Proposal(drafts, num_drafts, logits, looked_up, [index is not None for index in found], exposed,
+                        errors=errors)
 
     def _lookup(self, row: int, context: list[int]) -> int | None:
         branch = self.branches[row]
-        if branch is None:
+        if not isinstance(branch, PreparedBranches):
             return None
         index = branch.keys.get(tuple(context[branch.base :]))
         return index if index is not None and branch.counts[index] > 0 else None
@@ -274,9 +295,14 @@ class SuccessorSource(BlockSource):
             row_sampling, blocks = sampling[r], len(anchors[r])
             prefixes = [contexts[r] + draft_lists[r][:j] + [token] for token, j in anchors[r][:-1]]
             prefixes.append(contexts[r] + draft_lists[r])
-            processed = torch.stack([process(row_sampling.logits_processor, prefix, raw[r, k])
-                                     for k, prefix in enumerate(prefixes)])
-            tokens = torch.stack([choose(block, row_sampling.do_sample, row_sampling.generator) for block in processed])
+            try:
+                processed = torch.stack([process(row_sampling.logits_processor, prefix, raw[r, k])
+                                         for k, prefix in enumerate(prefixes)])
+                tokens = torch.stack([choose(block, row_sampling.do_sample, row_sampling.generator)
+                                      for block in processed])
+            except Exception as error:  # this row's processors failed: it ends next round, the others go on
+                prepared.append(error)
+                continue
             keys[r].setdefault(tuple(draft_lists[r]) + (int(tokens[-1, 0]),), blocks - 1)
             tokens[-1] = torch.cat([tokens[-1, 1:], tokens.new_zeros(1)])  # full acceptance: after the guess
             processed[-1] = torch.cat([processed[-1, 1:], processed.new_zeros(1, processed.shape[-1])])
@@ -307,6 +333,7 @@ class SuccessorSource(BlockSource):
             pending.result()
 
     def close(self) -> None:
+        self._closed = True
         try:
             self.wait()
         finally:
