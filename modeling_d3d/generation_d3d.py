@@ -9,7 +9,7 @@ custom stopping criteria, EOS and `max_new_tokens` behave as in the target's own
 import copy
 
 import torch
-from transformers import LogitsProcessorList
+from transformers import LogitsProcessorList, StoppingCriteriaList, StopStringCriteria
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -40,6 +40,18 @@ def check_generation_settings(generation_config, synced_gpus: bool = False) -> N
         raise ValueError("guidance_scale (classifier-free guidance) is not supported by D3D speculative decoding")
     if synced_gpus:
         raise ValueError("synced_gpus is not supported by D3D speculative decoding")
+
+
+def with_stop_strings(generate_kwargs: dict) -> dict:
+    """`generate` drops `tokenizer=` before calling a `custom_generate` callable, so `stop_strings` would be refused
+    there; the front doors (`generate_batch`, `d3d_generate`) turn `stop_strings` + `tokenizer` into a
+    `StopStringCriteria` in `stopping_criteria` instead (the same criterion `generate` builds)."""
+    if generate_kwargs.get("stop_strings") is None or generate_kwargs.get("tokenizer") is None:
+        return generate_kwargs
+    kwargs = dict(generate_kwargs)
+    criterion = StopStringCriteria(kwargs.pop("tokenizer"), kwargs.pop("stop_strings"))
+    kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), criterion])
+    return kwargs
 
 
 def eos_ids(generation_config) -> frozenset[int]:
@@ -170,4 +182,5 @@ def pad_outputs(input_ids: torch.LongTensor, generated: dict[int, list[int]], ge
     return torch.cat([input_ids, tail.to(input_ids.device)], dim=1)
 
 
-__all__ = ["LENGTH_DEPENDENT_SETTINGS", "check_generation_settings", "make_source", "speculative_generate"]
+__all__ = ["LENGTH_DEPENDENT_SETTINGS", "check_generation_settings", "make_source", "speculative_generate",
+           "with_stop_strings"]
