@@ -3,6 +3,7 @@ decoding it alone (greedy) or follows the target's distribution (sampling), with
 joining mid-run, cancellation and failures; every prepared successor branch equals block drafting from its prefix."""
 
 import itertools
+import time
 import threading
 from collections import Counter
 
@@ -12,7 +13,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from conftest import always_predicts, run_without_project, tiny_target
 from distribution import NEW_TOKENS, PROMPT, SAMPLES, VOCAB, chi_square_p_value, exact_distribution, processors
-from modeling_d3d import BlockSource, D3DForBlockDiffusion, RowSettings, SpeculativeEngine, SuccessorSource
+from modeling_d3d import BlockSource, D3DForBlockDiffusion, RoundRecord, RowSettings, SpeculativeEngine, SuccessorSource
 from modeling_d3d.acceptance_d3d import rejection_sample
 from modeling_d3d.caches_d3d import StaticKVCache
 from modeling_d3d.drafting_d3d import block_pass, plan_alternatives, prefill, successor_pass
@@ -490,3 +491,67 @@ def test_settings_that_depend_on_a_rows_own_length_follow_each_row_of_a_padded_b
         for row, prompt in enumerate(prompts):
             reference = alone(target, prompt, 6, **kwargs)
             assert out[row, ids.shape[1] : ids.shape[1] + len(reference)].tolist() == reference, (settings, row)
+
+
+def check_record(record: RoundRecord, block_size: int) -> None:
+    """The totals of a RoundRecord are the sums of its rounds, and each round's parts add up to its total."""
+    outcomes = [outcome for round_outcomes, _ in record.history for outcome in round_outcomes]
+    timings = [timing for _, timing in record.history]
+    assert record.rounds == len(record.history) and record.row_rounds == len(outcomes)
+    assert record.new_tokens == sum(len(outcome.added) for outcome in outcomes)
+    assert sum(n * count for n, count in record.accepted.items()) == record.new_tokens
+    assert sum(record.histogram(block_size)) == record.row_rounds and max(record.accepted) <= block_size
+    assert record.cache_hits == sum(outcome.from_cache for outcome in outcomes) <= record.lookups
+    assert all(outcome.drafted <= len(outcome.added) - (not outcome.finished) for outcome in outcomes)
+    for timing in timings:
+        assert min(timing.verify, timing.exposed_draft, timing.hidden_draft, timing.host) >= 0
+        assert timing.total == timing.verify + timing.exposed_draft + timing.host
+    for name in ("verify", "exposed_draft", "hidden_draft", "host"):
+        assert getattr(record, f"{name}_seconds") == pytest.approx(sum(getattr(t, name) for t in timings), abs=1e-9)
+    assert record.seconds == pytest.approx(sum(t.total for t in timings), abs=1e-9)
+    assert record.tau == pytest.approx(record.new_tokens / record.row_rounds)
+
+
+@pytest.mark.parametrize("path", ["sync", "async", "alone"])
+def test_the_round_record_of_a_generate_call_adds_up_to_its_output(path):
+    target, drafter = pair(1, 5, 8)
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 8, (n,), generator=generator) for n in (1, 6, 13, 4)]
+    eos = alone(target, prompts[1], 21)[3]  # a token the target generates: a row stops at it
+    ids, mask = left_pad(prompts, pad=eos)
+    record = RoundRecord()
+    kwargs = dict(max_new_tokens=21, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+    target.generate(ids, attention_mask=mask, custom_generate=speculative_generate, round_record=record,
+                    drafter=None if path == "alone" else drafter, asynchronous=path == "async", **kwargs)
+    references = [alone(target, prompt, 21, eos_token_id=eos, pad_token_id=eos) for prompt in prompts]
+    per_row = Counter()
+    for outcomes, _ in record.history:
+        for outcome in outcomes:
+            per_row[outcome.key] += len(outcome.added)
+    assert [per_row[r] for r in range(len(prompts))] == [len(reference) for reference in references]
+    assert record.new_tokens == sum(len(reference) for reference in references)
+    assert any(len(reference) < 21 for reference in references)  # a row stopped at EOS
+    check_record(record, 1 if path == "alone" else 5)
+    if path == "async":
+        assert 0 < record.cache_hits <= record.lookups and record.hidden_draft_seconds > 0
+    if path == "alone":
+        assert set(record.accepted) == {1} and record.exposed_draft_seconds == 0
+
+
+@pytest.mark.parametrize("kind", SOURCES)
+def test_each_rounds_timing_fits_inside_the_step_that_ran_it(kind):
+    """Driving the engine: every round's total is measured within its `step` call, and its record adds up."""
+    target, drafter = pair(0, 4, 12)
+    decoder = engine_for(target, drafter, kind)
+    for key, prompt in enumerate([[1, 2, 3], [4, 5, 6, 7, 8], [9]]):
+        decoder.add(key, prompt, RowSettings(15))
+    outputs = {}
+    while len(decoder):
+        start = time.perf_counter()
+        for outcome in decoder.step():
+            outputs.setdefault(outcome.key, []).extend(outcome.added)
+        wall = time.perf_counter() - start
+        assert decoder.record.history[-1][1].total <= wall
+    decoder.close()
+    assert decoder.record.new_tokens == sum(len(tokens) for tokens in outputs.values()) == 45
+    check_record(decoder.record, 4)
