@@ -42,13 +42,16 @@ def check_generation_settings(generation_config, synced_gpus: bool = False) -> N
         raise ValueError("synced_gpus is not supported by D3D speculative decoding")
 
 
-def with_stop_strings(generate_kwargs: dict) -> dict:
-    """`generate` drops `tokenizer=` before calling a `custom_generate` callable, so `stop_strings` would be refused
-    there; the front doors (`generate_batch`, `d3d_generate`) turn `stop_strings` + `tokenizer` into a
-    `StopStringCriteria` in `stopping_criteria` instead (the same criterion `generate` builds)."""
-    if generate_kwargs.get("stop_strings") is None or generate_kwargs.get("tokenizer") is None:
-        return generate_kwargs
+def front_door_kwargs(generate_kwargs: dict) -> dict:
+    """`generate` drops `tokenizer=` and `streamer=` before calling a `custom_generate` callable (so `stop_strings`
+    would be refused and a streamer would get the prompt only); the front doors (`generate_batch`, `d3d_generate`)
+    turn `stop_strings` + `tokenizer` into a `StopStringCriteria` in `stopping_criteria` (the criterion `generate`
+    builds) and hand the streamer over as `d3d_streamer`."""
     kwargs = dict(generate_kwargs)
+    if kwargs.get("streamer") is not None:
+        kwargs["d3d_streamer"] = kwargs.pop("streamer")
+    if kwargs.get("stop_strings") is None or kwargs.get("tokenizer") is None:
+        return kwargs
     criterion = StopStringCriteria(kwargs.pop("tokenizer"), kwargs.pop("stop_strings"))
     kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), criterion])
     return kwargs
@@ -110,6 +113,7 @@ def speculative_generate(
     drafter_input_ids: torch.LongTensor | None = None,
     compile: bool = False,
     round_record: RoundRecord | None = None,
+    d3d_streamer=None,
     **model_kwargs,
 ):
     """`target.generate(input_ids, custom_generate=speculative_generate, drafter=drafter, ...)`.
@@ -119,10 +123,14 @@ def speculative_generate(
     on a worker thread (`coverage`, `fanout`, `drafter_device`, `worker_threads`). drafter_input_ids: `(1, L)` the
     prompt the drafter reads when the target reads a reduced one (selective prefill; batch of one). compile:
     compiled verify pass. round_record: a `RoundRecord` to fill (also left in `drafter.generation_stats`).
+    streamer: as generate passes it (it has put the prompt already); d3d_streamer: the same from a front door
+    (`front_door_kwargs`: generate drops `streamer=` before calling a callable), which gets the prompt here.
     Returns `(batch, P + longest)` sequences, rows that end early padded with `pad_token_id` (or a
     `GenerateDecoderOnlyOutput` with `return_dict_in_generate=True`).
     """
     check_generation_settings(generation_config, synced_gpus)
+    put_prompt = streamer is None and d3d_streamer is not None
+    streamer = streamer if streamer is not None else d3d_streamer
     batch = input_ids.shape[0]
     if streamer is not None and batch > 1:
         raise ValueError("Streamers take one sequence; use serving_d3d.D3DBatchServer to stream many requests")
@@ -150,7 +158,7 @@ def speculative_generate(
                                    row_processors(model, generation_config, logits_processor, prompt, padded, max_new_tokens),
                                    stopping_criteria)
             engine.add(r, prompt.tolist(), settings, drafter_prompt)
-        if streamer is not None:
+        if put_prompt:
             streamer.put(input_ids.cpu())
         while len(engine):
             for outcome in engine.step():
@@ -183,4 +191,4 @@ def pad_outputs(input_ids: torch.LongTensor, generated: dict[int, list[int]], ge
 
 
 __all__ = ["LENGTH_DEPENDENT_SETTINGS", "check_generation_settings", "make_source", "speculative_generate",
-           "with_stop_strings"]
+           "front_door_kwargs"]

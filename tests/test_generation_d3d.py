@@ -8,6 +8,7 @@ import itertools
 import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList, StopStringCriteria
+from transformers.generation.streamers import BaseStreamer
 
 from conftest import always_predicts, tiny_target, word_tokenizer
 from modeling_d3d import D3DAssistedGenerator, D3DForBlockDiffusion, RoundRecord, speculative_generate
@@ -269,3 +270,34 @@ def test_beam_search_and_several_sequences_per_prompt_are_refused(settings):
     for source in (dict(drafter=drafter), dict(drafter=drafter, asynchronous=True), dict(drafter=None)):
         with pytest.raises(ValueError, match="D3D speculative decoding"):
             target.generate(ids, max_new_tokens=4, custom_generate=speculative_generate, **source, **settings)
+
+
+class RecordingStreamer(BaseStreamer):
+    def __init__(self):
+        self.chunks: list[list[int]] = []
+        self.ended = False
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended = True
+
+
+@pytest.mark.parametrize("path", ["sync", "async", "selective-prefill"])
+def test_a_streamer_through_the_front_doors_gets_the_prompt_then_each_round(path):
+    target, drafter = pair(8, 4, 0)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 1, 2]])
+    streamer = RecordingStreamer()
+    kwargs = dict(max_new_tokens=20, do_sample=False, streamer=streamer)
+    if path == "selective-prefill":
+        result = drafter.speculative_generate(target, ids, selective_prefill=0.5, chunk_size=4, **kwargs)
+        out, prompt, record = result.output, result.prompt_ids, result.stats
+    else:
+        record = RoundRecord()
+        out = drafter.generate_batch(target, ids, asynchronous=path == "async", round_record=record, **kwargs)
+        prompt = ids
+    assert torch.equal(out, target.generate(prompt, max_new_tokens=20, do_sample=False))
+    assert streamer.ended and streamer.chunks[0] == prompt[0].tolist()
+    assert [len(chunk) for chunk in streamer.chunks[1:]] == [len(o.added) for r, _ in record.history for o in r]
+    assert sum(streamer.chunks[1:], []) == out[0, prompt.shape[1] :].tolist()
