@@ -81,8 +81,8 @@ class D3DAssistant:
             self._start(context, logits_processor, generation_config.do_sample, self._capacity * 2)
             session = self._session
         proposal = self.source.propose([context], [session.sampling])
-        if proposal.failed:
-            raise proposal.failed[0]
+        if proposal.errors:
+            raise proposal.errors[0]
         keep = min(int(proposal.num_drafts[0]), kwargs.get("max_new_tokens") or proposal.drafts.shape[1])
         session.context, session.exposed = context, proposal.exposed_seconds
         session.hit, session.looked_up = proposal.hits[0], proposal.looked_up[0]

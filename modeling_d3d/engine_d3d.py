@@ -320,7 +320,7 @@ class SpeculativeEngine:
         """Process the target's logits per row, accept (greedy or rejection sampling, batched), read the result
         once, then cut every row at its stop. Returns the outcomes and each row's accepted drafts."""
         rows, m = len(self.rows), self.width - 1
-        failed: dict[int, Exception] = dict(proposal.failed) if proposal is not None else {}
+        failed: dict[int, Exception] = dict(proposal.errors) if proposal is not None else {}
         if proposal is not None:
             drafts, num_drafts = proposal.drafts.to(self.device), proposal.num_drafts.to(self.device)
         else:

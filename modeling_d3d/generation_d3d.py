@@ -6,8 +6,10 @@ until every row ends. Batches of left-padded prompts, greedy and sampling, strea
 custom stopping criteria, EOS and `max_new_tokens` behave as in the target's own `generate`.
 """
 
+import copy
+
 import torch
-from transformers import LogitsProcessorList
+from transformers import LogitsProcessorList, StoppingCriteriaList, StopStringCriteria
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -15,9 +17,10 @@ from .engine_d3d import RoundRecord, RowSettings, SpeculativeEngine
 from .drafting_d3d import compiled_forward
 from .sources_d3d import DEFAULT_FANOUT, BlockSource, SuccessorSource
 
-# generate settings whose processors depend on the prompt's length: built per row when prompts are padded.
+# generate settings whose processors depend on the prompt's length (or, for repetition_penalty, its padding): built
+# per row when prompts are padded.
 LENGTH_DEPENDENT_SETTINGS = ("min_length", "min_new_tokens", "forced_eos_token_id", "begin_suppress_tokens",
-                             "exponential_decay_length_penalty")
+                             "exponential_decay_length_penalty", "repetition_penalty")
 COMPILE_LENGTH_BUCKET = 256
 UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
@@ -41,6 +44,21 @@ def check_generation_settings(generation_config, synced_gpus: bool = False) -> N
         raise ValueError("synced_gpus is not supported by D3D speculative decoding")
 
 
+def front_door_kwargs(generate_kwargs: dict) -> dict:
+    """`generate` drops `tokenizer=` and `streamer=` before calling a `custom_generate` callable (so `stop_strings`
+    would be refused and a streamer would get the prompt only); the front doors (`generate_batch`, `d3d_generate`)
+    turn `stop_strings` + `tokenizer` into a `StopStringCriteria` in `stopping_criteria` (the criterion `generate`
+    builds) and hand the streamer over as `d3d_streamer`."""
+    kwargs = dict(generate_kwargs)
+    if kwargs.get("streamer") is not None:
+        kwargs["d3d_streamer"] = kwargs.pop("streamer")
+    if kwargs.get("stop_strings") is None or kwargs.get("tokenizer") is None:
+        return kwargs
+    criterion = StopStringCriteria(kwargs.pop("tokenizer"), kwargs.pop("stop_strings"))
+    kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), criterion])
+    return kwargs
+
+
 def eos_ids(generation_config) -> frozenset[int]:
     eos = getattr(generation_config, "_eos_token_tensor", None)
     if eos is None:
@@ -51,12 +69,16 @@ def eos_ids(generation_config) -> frozenset[int]:
 
 
 def row_processors(model, generation_config, logits_processor: LogitsProcessorList, prompt: torch.Tensor,
-                   padded: bool) -> LogitsProcessorList:
+                   padded: bool, max_new_tokens: int | None = None) -> LogitsProcessorList:
     """The processors of one row. When prompts are padded and a setting depends on the prompt's length, generate's
-    processors (built for the padded width) are rebuilt for this row's own length; processors a user passed in
-    `logits_processor=` are kept as they are."""
+    processors (built for the padded width) are rebuilt for this row's own length (and its own `max_length`, the
+    prompt + `max_new_tokens`, which `forced_eos_token_id` reads); processors a user passed in `logits_processor=`
+    are kept as they are."""
     if not padded or not any(getattr(generation_config, name, None) for name in LENGTH_DEPENDENT_SETTINGS):
         return logits_processor
+    if max_new_tokens is not None:
+        generation_config = copy.deepcopy(generation_config)
+        generation_config.max_length = prompt.shape[0] + max_new_tokens
     built = model._get_logits_processor(generation_config, input_ids_seq_length=prompt.shape[0],
                                         encoder_input_ids=prompt[None], device=prompt.device)
     built_types = {type(p) for p in built}
@@ -95,6 +117,7 @@ def speculative_generate(
     drafter_input_ids: torch.LongTensor | None = None,
     compile: bool = False,
     round_record: RoundRecord | None = None,
+    d3d_streamer=None,
     **model_kwargs,
 ):
     """`target.generate(input_ids, custom_generate=speculative_generate, drafter=drafter, ...)`.
@@ -103,11 +126,16 @@ def speculative_generate(
     drafter: a `D3DForBlockDiffusion` (None: the target alone through the engine). asynchronous: successor drafting
     on a worker thread (`coverage`, `fanout`, `drafter_device`, `worker_threads`). drafter_input_ids: `(1, L)` the
     prompt the drafter reads when the target reads a reduced one (selective prefill; batch of one). compile:
-    compiled verify and drafting passes (fixed shapes; the first call compiles). round_record: a `RoundRecord` to fill (also left in `drafter.generation_stats`).
+    compiled verify and drafting passes (fixed shapes; the first call compiles). round_record: a `RoundRecord` to
+    fill (also left in `drafter.generation_stats`). streamer: as generate passes it (it has put the prompt already);
+    d3d_streamer: the same from a front door (`front_door_kwargs`: generate drops `streamer=` before calling a
+    callable), which gets the prompt here.
     Returns `(batch, P + longest)` sequences, rows that end early padded with `pad_token_id` (or a
     `GenerateDecoderOnlyOutput` with `return_dict_in_generate=True`).
     """
     check_generation_settings(generation_config, synced_gpus)
+    put_prompt = streamer is None and d3d_streamer is not None
+    streamer = streamer if streamer is not None else d3d_streamer
     batch = input_ids.shape[0]
     if streamer is not None and batch > 1:
         raise ValueError("Streamers take one sequence; use serving_d3d.D3DBatchServer to stream many requests")
@@ -134,10 +162,10 @@ def speculative_generate(
     try:
         for r, prompt in enumerate(prompts):
             settings = RowSettings(max_new_tokens, bool(generation_config.do_sample), eos_ids(generation_config),
-                                   row_processors(model, generation_config, logits_processor, prompt, padded),
+                                   row_processors(model, generation_config, logits_processor, prompt, padded, max_new_tokens),
                                    stopping_criteria)
             engine.add(r, prompt.tolist(), settings, drafter_prompt)
-        if streamer is not None:
+        if put_prompt:
             streamer.put(input_ids.cpu())
         while len(engine):
             for outcome in engine.step():
@@ -169,4 +197,5 @@ def pad_outputs(input_ids: torch.LongTensor, generated: dict[int, list[int]], ge
     return torch.cat([input_ids, tail.to(input_ids.device)], dim=1)
 
 
-__all__ = ["LENGTH_DEPENDENT_SETTINGS", "check_generation_settings", "make_source", "speculative_generate"]
+__all__ = ["LENGTH_DEPENDENT_SETTINGS", "check_generation_settings", "make_source", "speculative_generate",
+           "front_door_kwargs"]

@@ -11,7 +11,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from .assistant_d3d import D3DAssistant, D3DAssistedGenerator
 from .configuration_d3d import D3DConfig
 from .engine_d3d import RoundRecord
-from .generation_d3d import speculative_generate
+from .generation_d3d import front_door_kwargs, speculative_generate
 from .network_d3d import D3DBlockDiffusionModel, check_compatibility
 from .prefill_d3d import DEFAULT_CHUNK_SIZE, PromptSelection, SelectivePrefillOutput, d3d_generate, select_prompt_chunks
 from .serving_d3d import D3DBatchServer
@@ -83,7 +83,7 @@ class D3DForBlockDiffusion(D3DBlockDiffusionModel):
         `coverage`, `fanout`) prepares successor blocks while the target verifies; statistics go to
         `self.generation_stats`."""
         return target.generate(input_ids, attention_mask=attention_mask, custom_generate=speculative_generate,
-                               drafter=self, **generate_kwargs)
+                               drafter=self, **front_door_kwargs(generate_kwargs))
 
     def batch_server(self, target: PreTrainedModel, max_batch_size: int = 8, **settings) -> D3DBatchServer:
         """A `serving_d3d.D3DBatchServer` decoding requests for `target` with this drafter, up to `max_batch_size`

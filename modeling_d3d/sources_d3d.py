@@ -49,7 +49,7 @@ class Proposal:
     """One round's candidates. drafts `(rows, m)` long and num_drafts `(rows,)` (real drafts per row; the rest is
     padding); logits `(rows, m, vocab)` processed (q = softmax), None when no row samples; looked_up / hits: per row,
     whether prepared branches were searched and whether one served it; exposed_seconds: drafting the target waited
-    for; failed: the rows whose logits processors raised while drafting, with the error (those rows end)."""
+    for; errors: rows whose own drafting step (their logits processors) failed, by row index (those rows end)."""
 
     drafts: torch.Tensor
     num_drafts: torch.Tensor
@@ -58,7 +58,7 @@ class Proposal:
     hits: list[bool]
     exposed_seconds: float = 0.0
     hidden_seconds: float = 0.0
-    failed: dict[int, Exception] = field(default_factory=dict)
+    errors: dict[int, Exception] = field(default_factory=dict)
 
 
 def synchronize(device: torch.device) -> None:
@@ -67,22 +67,27 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def drafts_from_logits(raw: torch.Tensor, contexts: list[list[int]], sampling: list[RowSampling]):
+def drafts_from_logits(raw: torch.Tensor, contexts: list[list[int]], sampling: list[RowSampling],
+                       errors: dict[int, Exception] | None = None):
     """Per row: its processors over raw block logits `(rows, m, vocab)` (context: its tokens), then argmax or a draw.
-    Returns drafts `(rows, m)`, the processed logits `(rows, m, vocab)` (the raw ones when no row has processors)
-    and the rows whose processors raised, with the error (their raw logits stand in)."""
+    Returns drafts `(rows, m)` and the processed logits `(rows, m, vocab)` (the raw ones when no row has
+    processors). With `errors`, a row whose processing fails is drafted from its raw logits and its exception is
+    put in `errors[row]` (that row ends; the others go on); without, the exception propagates."""
     if not any(s.logits_processor or s.do_sample for s in sampling):
-        return raw.argmax(-1), raw, {}
-    processed, failed = [], {}
+        return raw.argmax(-1), raw
+    rows, drafts = [], []
     for r, (context, s) in enumerate(zip(contexts, sampling)):
         try:
-            processed.append(process(s.logits_processor, context, raw[r]))
-        except Exception as error:  # this row's processing failed: it ends, the others go on
-            failed[r] = error
-            processed.append(raw[r])
-    rows = torch.stack(processed)
-    drafts = torch.stack([choose(logits, s.do_sample, s.generator) for logits, s in zip(rows, sampling)])
-    return drafts, rows, failed
+            logits = process(s.logits_processor, context, raw[r])
+            tokens = choose(logits, s.do_sample, s.generator)
+        except Exception as error:
+            if errors is None:
+                raise
+            errors[r] = error
+            logits, tokens = raw[r], raw[r].argmax(-1)
+        rows.append(logits)
+        drafts.append(tokens)
+    return torch.stack(drafts), torch.stack(rows)
 
 
 class BlockSource:
@@ -118,19 +123,22 @@ class BlockSource:
 
     def propose(self, contexts: list[list[int]], sampling: list[RowSampling]) -> Proposal:
         start = time.perf_counter()
-        drafts, logits, failed = self._draft_all(contexts, sampling)
+        errors: dict[int, Exception] = {}
+        drafts, logits = self._draft_all(contexts, sampling, errors)
         synchronize(self.device)
         rows = len(contexts)
         return Proposal(drafts, torch.full((rows,), self.block_size - 1, device=drafts.device),
                         logits if any(s.do_sample for s in sampling) else None, [False] * rows, [False] * rows,
-                        time.perf_counter() - start, failed=failed)
+                        time.perf_counter() - start, errors=errors)
 
-    def _draft_all(self, contexts: list[list[int]], sampling: list[RowSampling]):
-        """One block pass for every row: drafts `(rows, B - 1)`, their processed logits, the rows that failed."""
+    def _draft_all(self, contexts: list[list[int]], sampling: list[RowSampling],
+                   errors: dict[int, Exception] | None = None):
+        """One block pass for every row: drafts `(rows, B - 1)` and their processed logits (see
+        `drafts_from_logits` for `errors`)."""
         raw = block_pass(self.drafter, self.cache, contexts, self.committed[: len(contexts)], self.forward)
         for row, context in enumerate(contexts):
             self.committed[row] = len(context) - 1
-        return drafts_from_logits(raw, contexts, sampling)
+        return drafts_from_logits(raw, contexts, sampling, errors)
 
     def observe(self, contexts: list[list[int]], accepted: list[int]) -> tuple[float, float]:
         """Nothing to do: the cache holds each row's tokens before its old anchor, a prefix of its new context.
@@ -185,7 +193,8 @@ class SuccessorSource(BlockSource):
         self.coverage, self.fanout = coverage, fanout
         self.budget_tokens = block_size * ((coverage - 1) * fanout + 2)
         self.scratch_blocks = (coverage - 1) * fanout + 4
-        self.branches: list[PreparedBranches | None] = []
+        self.branches: list[PreparedBranches | Exception | None] = []  # an Exception: that row's worker step failed
+        self._closed = False
         self._pending: Future | None = None
         self._executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="d3d-drafter",
@@ -210,19 +219,21 @@ class SuccessorSource(BlockSource):
         self.branches[destination] = self.branches[source]
 
     def propose(self, contexts: list[list[int]], sampling: list[RowSampling]) -> Proposal:
+        if self._closed:
+            raise RuntimeError("This SuccessorSource is closed; create a new one")
         start = time.perf_counter()
         self.wait()
         rows, width, sampled = len(contexts), self.block_size - 1, any(s.do_sample for s in sampling)
-        looked_up = [self.branches[r] is not None for r in range(rows)]
+        errors = {r: self.branches[r] for r in range(rows) if isinstance(self.branches[r], Exception)}
+        looked_up = [isinstance(self.branches[r], PreparedBranches) for r in range(rows)]
         found = [self._lookup(r, contexts[r]) for r in range(rows)]
-        failed = {}
         if all(index is not None for index in found):
             first = self.branches[0]
             drafts = first.tokens.new_zeros(rows, width)
             ranked = first.ranked.new_zeros(rows, width, first.ranked.shape[-1])
             logits = torch.zeros(rows, width, self.drafter.config.vocab_size, device=drafts.device) if sampled else None
         else:
-            drafts, processed, failed = self._draft_all(contexts, sampling)
+            drafts, processed = self._draft_all(contexts, sampling, errors)
             ranked = processed.topk(min(self.fanout + 1, processed.shape[-1]), dim=-1).indices
             logits = processed if sampled else None
         counts = [width] * rows
@@ -241,11 +252,11 @@ class SuccessorSource(BlockSource):
         exposed = time.perf_counter() - start
         self._pending = self._executor.submit(self._prepare, contexts, drafts, num_drafts, ranked, logits, sampling)
         return Proposal(drafts, num_drafts, logits, looked_up, [index is not None for index in found], exposed,
-                        failed=failed)
+                        errors=errors)
 
     def _lookup(self, row: int, context: list[int]) -> int | None:
         branch = self.branches[row]
-        if branch is None:
+        if not isinstance(branch, PreparedBranches):
             return None
         index = branch.keys.get(tuple(context[branch.base :]))
         return index if index is not None and branch.counts[index] > 0 else None
@@ -283,8 +294,8 @@ class SuccessorSource(BlockSource):
         for r in range(rows):
             try:
                 prepared.append(self._row_branches(contexts[r], draft_lists[r], anchors[r], keys[r], raw[r], sampling[r]))
-            except Exception:  # this row's processing failed: no branches (its next drafting pass reports the error)
-                prepared.append(None)
+            except Exception as error:  # this row's processors failed: it ends next round, the others go on
+                prepared.append(error)
         return prepared
 
     def _row_branches(self, context: list[int], draft_list: list[int], anchors: list[tuple[int, int]],
@@ -324,6 +335,7 @@ class SuccessorSource(BlockSource):
             pending.result()
 
     def close(self) -> None:
+        self._closed = True
         try:
             self.wait()
         finally:

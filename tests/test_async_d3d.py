@@ -1,4 +1,5 @@
-"""Asynchronous D3D: packed successor drafting and `D3DAssistedGenerator` through `target.generate`."""
+"""Asynchronous D3D (`sources_d3d.SuccessorSource`): `D3DAssistedGenerator` through `target.generate`, and the
+worker's failures, isolation and one-pass-at-a-time guarantee (the branches themselves: `test_engine_d3d`)."""
 
 import itertools
 import threading
@@ -17,38 +18,12 @@ def pair(target_seed: int, drafter_seed: int, block_size: int, vocab_size: int):
     return target, drafter.eval()
 
 
-@pytest.mark.parametrize("block_size,coverage,fanout", [(5, 4, 2), (4, 4, 3), (6, 1, 2), (4, 3, 0), (3, 2, 1)])
-def test_each_branch_equals_block_drafting_from_its_own_prefix(block_size, coverage, fanout):
-    _, drafter = pair(0, 3, block_size, 96)
-    prefix = torch.randint(0, 96, (1, 11), generator=torch.Generator().manual_seed(block_size))
-    draft = drafter.draft_block(prefix)
-    branches = drafter.draft_successors(prefix, draft.tokens, draft.logits, draft.past_key_values, coverage, fanout)
-    drafted = block_size - 1
-    assert len(branches) == min(coverage - 1, drafted) * fanout + 1
-    assert sum(b.tokens.shape[1] + 1 for b in branches) <= block_size * ((coverage - 1) * fanout + 2)
-    assert draft.past_key_values.get_seq_length() == prefix.shape[1] + drafted
-    for branch in branches[:-1]:
-        j = len(branch.key) - 1
-        assert list(branch.key[:j]) == draft.tokens[0, :j].tolist() and branch.key[j] != draft.tokens[0, j].item()
-        alone = drafter.draft_block(torch.cat([prefix, torch.tensor([branch.key])], dim=1))
-        assert torch.equal(branch.tokens, alone.tokens)
-        torch.testing.assert_close(branch.logits, alone.logits, atol=1e-4, rtol=0)
-    full = branches[-1]
-    alone = drafter.draft_block(torch.cat([prefix, draft.tokens], dim=1))
-    assert full.key == tuple(draft.tokens[0].tolist()) + (alone.tokens[0, 0].item(),)
-    assert torch.equal(full.tokens, alone.tokens[:, 1:])
-    torch.testing.assert_close(full.logits, alone.logits[:, 1:], atol=1e-4, rtol=0)
+def added_per_round(record) -> list[int]:
+    return [len(outcome.added) for outcomes, _ in record.history for outcome in outcomes]
 
 
-def test_alternative_anchors_are_the_next_most_probable_drafter_tokens():
-    _, drafter = pair(0, 3, 5, 96)
-    prefix = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(0))
-    draft = drafter.draft_block(prefix)
-    branches = drafter.draft_successors(prefix, draft.tokens, draft.logits, draft.past_key_values, coverage=3, fanout=2)
-    for j in range(2):
-        ranks = draft.logits[0, j].argsort(descending=True).tolist()
-        assert ranks[0] == draft.tokens[0, j].item()
-        assert [b.key[-1] for b in branches if len(b.key) == j + 1] == ranks[1:3]
+def served_from_cache(record) -> list[bool]:
+    return [outcome.from_cache for outcomes, _ in record.history for outcome in outcomes]
 
 
 def test_greedy_output_is_token_identical_through_the_generator():
@@ -64,7 +39,7 @@ def test_greedy_output_is_token_identical_through_the_generator():
                 reference = target.generate(prompt, max_new_tokens=max_new, do_sample=False)
                 speculative = target.generate(prompt, max_new_tokens=max_new, do_sample=False, assistant_model=generator)
                 assert torch.equal(reference, speculative), (vocab, block, coverage, fanout, prompt_length, max_new)
-                stats = generator.generation_stats.settle(speculative)
+                stats = generator.settle(speculative)
                 assert stats.new_tokens == max_new or speculative.shape[1] - prompt.shape[1] == stats.new_tokens
                 hits += stats.cache_hits
                 compared += 1
@@ -92,12 +67,12 @@ def test_a_drafter_that_always_agrees_is_served_from_the_cache_every_round():
     with drafter.async_generator(coverage=4, fanout=2) as generator:
         prompt = torch.tensor([[1, 2, 3]])
         out = target.generate(prompt, max_new_tokens=4 + 3 * 5, do_sample=False, assistant_model=generator)
-        stats = generator.generation_stats.settle(out)
+        stats = generator.settle(out)
     assert torch.equal(out, target.generate(prompt, max_new_tokens=19, do_sample=False))
     # first round drafts B-1 = 3; every later round reuses the full-acceptance branch (B-2 = 2 drafts + bonus)
-    assert stats.accepted_lengths == [4, 3, 3, 3, 3, 3]
-    assert [r.from_cache for r in stats.rounds_drafted] == [False] + [True] * 5
-    assert stats.hit_rate == 1.0 and stats.cache_hits == 5 and stats.budget_tokens == 4 * (3 * 2 + 2)
+    assert added_per_round(stats) == [4, 3, 3, 3, 3, 3]
+    assert served_from_cache(stats) == [False] + [True] * 5
+    assert stats.hit_rate == 1.0 and stats.cache_hits == 5 and generator.budget_tokens == 4 * (3 * 2 + 2)
 
 
 def test_a_drafter_that_is_always_wrong_misses_and_drafts_synchronously():
@@ -106,7 +81,7 @@ def test_a_drafter_that_is_always_wrong_misses_and_drafts_synchronously():
     always_predicts(drafter, 8)
     with drafter.async_generator(coverage=4, fanout=0) as generator:
         out = target.generate(torch.tensor([[5]]), max_new_tokens=6, do_sample=False, assistant_model=generator)
-        stats = generator.generation_stats.settle(out)
+        stats = generator.settle(out)
     assert stats.tau == 1.0 and stats.cache_hits == 0 and stats.hit_rate == 0.0
 
 
@@ -116,9 +91,9 @@ def test_async_sampling_matches_the_target_distribution():
     hits = []
 
     class CountingGenerator(D3DAssistedGenerator):
-        def _round(self, session, input_ids, max_new_tokens):
-            output = super()._round(session, input_ids, max_new_tokens)
-            hits.append(session.stats.rounds_drafted[-1].from_cache)
+        def generate(self, *args, **kwargs):
+            output = super().generate(*args, **kwargs)
+            hits.append(self._session.hit)
             return output
 
     # fanout VOCAB - 1: every rejection outcome has a prepared branch, so many rounds are served from the cache
@@ -128,44 +103,63 @@ def test_async_sampling_matches_the_target_distribution():
     assert chi_square_p_value(counts, exact_distribution(target), SAMPLES) > 1e-3
 
 
-class FailingDrafter(D3DForBlockDiffusion):
-    """A drafter whose packed successor pass fails on its `fail_at`-th call."""
+def fail_in_the_worker(drafter, fail_at: int):
+    """Make the drafter's `fail_at`-th forward on the SuccessorSource worker thread raise (a drafter device lost in
+    the middle of a successor pass); returns the list of worker calls so far."""
+    original, calls = drafter.forward, []
 
-    fail_at = 3
+    def forward(*args, **kwargs):
+        if threading.current_thread().name.startswith("d3d-drafter"):
+            calls.append(1)
+            if len(calls) == fail_at:
+                raise RuntimeError("drafter device lost")
+        return original(*args, **kwargs)
 
-    def draft_successors(self, *args, **kwargs):
-        self.calls = getattr(self, "calls", 0) + 1
-        if self.calls == self.fail_at:
-            raise RuntimeError("drafter device lost")
-        return super().draft_successors(*args, **kwargs)
+    drafter.forward = forward
+    return calls
 
 
-def failing_pair():
-    target, drafter = pair(0, 0, 4, 6)
-    failing = FailingDrafter(drafter.config).eval()
-    failing.load_state_dict(drafter.state_dict())
-    return target, failing
+def finishes(call, timeout: float = 120) -> dict:
+    """Run `call` on a thread; returns {"error": ...} or {"output": ...}; fails if it hangs (a guard, not a timing)."""
+    result: dict = {}
+
+    def run():
+        try:
+            result["output"] = call()
+        except RuntimeError as error:
+            result["error"] = error
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(timeout=timeout)
+    assert not thread.is_alive(), "generate hung after a worker failure"
+    return result
 
 
 def test_a_worker_exception_reaches_the_caller_and_the_generator_recovers():
-    target, drafter = failing_pair()
+    target, drafter = pair(0, 0, 4, 6)
+    calls = fail_in_the_worker(drafter, fail_at=3)
     prompt = torch.tensor([[1, 2, 3]])
+    reference = target.generate(prompt, max_new_tokens=40, do_sample=False)
     with drafter.async_generator(coverage=3, fanout=2) as generator:
-        result: dict = {}
-
-        def call():
-            try:
-                target.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=generator)
-            except RuntimeError as error:
-                result["error"] = error
-
-        thread = threading.Thread(target=call)
-        thread.start()
-        thread.join(timeout=120)
-        assert not thread.is_alive(), "generate hung after a worker failure"
-        assert "drafter device lost" in str(result.get("error"))
+        result = finishes(lambda: target.generate(prompt, max_new_tokens=40, do_sample=False,
+                                                  assistant_model=generator))
+        assert "drafter device lost" in str(result.get("error")) and len(calls) == 3
         out = target.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=generator)
-        assert torch.equal(out, target.generate(prompt, max_new_tokens=40, do_sample=False))
+        assert torch.equal(out, reference)
+
+
+def test_a_worker_exception_reaches_the_engine_caller_and_a_fresh_call_works():
+    target, drafter = pair(0, 0, 4, 6)
+    calls = fail_in_the_worker(drafter, fail_at=2)
+    ids, mask = torch.tensor([[0, 1, 2, 3], [4, 5, 1, 2]]), torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    kwargs = dict(max_new_tokens=30, do_sample=False, asynchronous=True, coverage=3, fanout=2)
+    result = finishes(lambda: drafter.generate_batch(target, ids, attention_mask=mask, **kwargs))
+    assert "drafter device lost" in str(result.get("error")) and len(calls) == 2
+    out = drafter.generate_batch(target, ids, attention_mask=mask, **kwargs)
+    for row, prompt in enumerate([ids[0, 1:], ids[1]]):
+        alone = target.generate(prompt[None], max_new_tokens=30, do_sample=False)[0, len(prompt):]
+        assert out[row, 4:].tolist() == alone.tolist()
 
 
 def test_the_worker_runs_one_pass_at_a_time():
@@ -197,11 +191,12 @@ def test_a_new_call_never_uses_branches_prepared_for_an_earlier_one():
     target, drafter = pair(0, 0, 4, 6)
     with drafter.async_generator(coverage=4, fanout=2) as generator:
         first = target.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=20, do_sample=False, assistant_model=generator)
-        earlier = generator.generation_stats
+        earlier = generator.settle(first)
         prompt = first[:, :-3]  # a prefix the earlier call's branches were prepared around
         second = target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=generator)
-        stats = generator.generation_stats
-    assert stats is not earlier and not stats.rounds_drafted[0].looked_up and not stats.rounds_drafted[0].from_cache
+        stats = generator.settle(second)
+    assert stats is not earlier and not served_from_cache(stats)[0]
+    assert stats.lookups <= stats.rounds - 1  # the first round of a call searches no branches
     assert torch.equal(second, target.generate(prompt, max_new_tokens=20, do_sample=False))
 
 
@@ -216,20 +211,20 @@ def test_a_closed_generator_refuses_work():
 @pytest.mark.parametrize("coverage,fanout", [(0, 2), (17, 2), (4, -1)])
 def test_out_of_range_settings_are_refused(coverage, fanout):
     _, drafter = pair(0, 0, 16, 6)
-    with pytest.raises(ValueError, match="coverage must be in 1..16"):
+    with pytest.raises(ValueError, match="coverage must be an integer in 1..16"):
         D3DAssistedGenerator(drafter, coverage=coverage, fanout=fanout)
 
 
 @pytest.mark.parametrize("coverage,fanout,name", [(4, 2.5, "fanout"), (4.0, 2, "coverage"), (4, True, "fanout")])
 def test_settings_that_are_not_ints_are_refused(coverage, fanout, name):
     _, drafter = pair(0, 0, 16, 6)
-    with pytest.raises(ValueError, match=f"{name} must be an int"):
+    with pytest.raises(ValueError, match="coverage must be an integer in 1..16 and fanout an integer"):
         D3DAssistedGenerator(drafter, coverage=coverage, fanout=fanout)
 
 
 def test_the_generator_is_only_an_assistant():
     _, drafter = pair(0, 0, 4, 6)
-    with drafter.async_generator() as generator, pytest.raises(ValueError, match="assistant_model=generator"):
+    with drafter.async_generator() as generator, pytest.raises(ValueError, match="assistant_model="):
         generator.generate(torch.tensor([[1, 2]]))
 
 
@@ -246,5 +241,5 @@ def test_greedy_output_is_identical_with_the_drafter_on_a_gpu(target_device):
             reference = target.generate(prompt, max_new_tokens=40, do_sample=False)
             speculative = target.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=generator)
             assert torch.equal(reference, speculative)
-            hits += generator.generation_stats.settle(speculative).cache_hits
+            hits += generator.settle(speculative).cache_hits
     assert hits > 0

@@ -1,9 +1,11 @@
 """What each position may see, read off the mask itself (no model involved)."""
 
+import pytest
 import torch
 
 from conftest import tiny_qwen3_config
-from modeling_d3d.masking_d3d import CAUSAL_BLOCK_ID, block_layout, create_block_diffusion_mask
+from modeling_d3d.drafting_d3d import block_layout_for_rows
+from modeling_d3d.masking_d3d import CAUSAL_BLOCK_ID, block_layout, create_block_diffusion_mask, interval_mask
 
 
 def visibility(num_causal, starts, block_size, past_length=0, attn="sdpa") -> torch.Tensor:
@@ -75,3 +77,34 @@ def test_layout_positions_continue_from_each_anchor():
     assert position_ids.tolist() == [[2, 3, 4, 5, 1, 2, 3, 3, 4, 5]]
     assert block_ids.tolist() == [[CAUSAL_BLOCK_ID] * 4 + [0, 0, 0, 1, 1, 1]]
     assert visible_prefix[0, 4:].tolist() == [1, 1, 1, 3, 3, 3]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_interval_mask_of_a_block_drafting_pass_is_the_block_diffusion_mask_of_the_same_tokens(attn):
+    """The engine's block pass (rows with different cached prefixes, padded to one width, the block in scratch
+    columns at its anchor) sees, for every real token, exactly what `create_block_diffusion_mask` lets the same
+    tokens see; padding columns are seen by no real token."""
+    block_size, generator = 4, torch.Generator().manual_seed(0)
+    contexts = [torch.randint(0, 90, (n,), generator=generator).tolist() for n in (9, 3, 14, 1)]
+    committed = [2, 2, 13, 0]
+    layout = block_layout_for_rows(contexts, committed, block_size, mask_id=95)
+    config = tiny_qwen3_config(attn=attn)
+    mask = interval_mask(config, layout.prefix_end, layout.own_start, layout.own_end, layout.kv_length(), torch.float32)
+    sees = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0
+    for row, (context, done) in enumerate(zip(contexts, committed)):
+        anchor, uncached = len(context) - 1, len(context) - 1 - done
+        expected = visibility(uncached, [anchor], block_size, past_length=done, attn=attn)
+        real = slice(layout.ids.shape[1] - uncached - block_size, None)  # the padding comes first
+        assert torch.equal(sees[row, real, : anchor + block_size], expected), row
+        assert not sees[row, real, anchor + block_size :].any(), row
+
+
+def test_interval_mask_and_the_block_diffusion_mask_disagree_when_the_layout_is_wrong():
+    """The comparison above can fail: a block that misses the last token before its anchor is not the D3D rule."""
+    contexts, block_size = [[5, 6, 7, 8]], 4
+    layout = block_layout_for_rows(contexts, [0], block_size, mask_id=95)
+    layout.prefix_end[0, -block_size:] -= 1
+    mask = interval_mask(tiny_qwen3_config(), layout.prefix_end, layout.own_start, layout.own_end, layout.kv_length(),
+                         torch.float32)
+    expected = visibility(3, [3], block_size)
+    assert not torch.equal(mask[0, 0, -(3 + block_size):, : 3 + block_size], expected)

@@ -17,6 +17,10 @@ def pair(target_seed: int, drafter_seed: int, block_size: int, vocab_size: int =
     return target, drafter.eval()
 
 
+def added_per_round(record) -> list[int]:
+    return [len(outcome.added) for outcomes, _ in record.history for outcome in outcomes]
+
+
 def greedy_both(target, drafter, prompt, max_new_tokens, **kwargs):
     reference = target.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
     speculative = target.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=drafter, **kwargs)
@@ -45,10 +49,10 @@ def test_greedy_output_is_token_identical_on_many_prompts():
             compared += 1
             if max_new == 1:  # one token: the target alone produces it, the drafter is never asked
                 continue
-            stats = drafter.generation_stats.settle(speculative)
-            assert stats.new_tokens == speculative.shape[1] - prompt.shape[1]
-            assert all(1 <= n <= block for n in stats.accepted_lengths)
-            accepted += stats.accepted_lengths
+            stats = drafter.settle(speculative)
+            assert stats.new_tokens == speculative.shape[1] - prompt.shape[1] == sum(added_per_round(stats))
+            assert all(1 <= n <= block for n in added_per_round(stats))
+            accepted += added_per_round(stats)
     assert compared >= 50
     assert max(accepted) >= 3 and min(accepted) == 1  # both full rejections and multi-token acceptances happened
 
@@ -73,8 +77,8 @@ def test_tau_is_block_size_when_drafter_always_agrees():
     prompt = torch.tensor([[1, 2, 3]])
     reference, speculative = greedy_both(target, drafter, prompt, 4 * 5)
     assert torch.equal(reference, speculative)
-    stats = drafter.generation_stats.settle(speculative)
-    assert stats.accepted_lengths == [4] * 5
+    stats = drafter.settle(speculative)
+    assert added_per_round(stats) == [4] * 5
     assert stats.tau == 4.0 == 1 + (stats.new_tokens - stats.rounds) / stats.rounds
     assert stats.histogram(4) == [0, 0, 0, 5]
 
@@ -86,11 +90,12 @@ def test_tau_is_one_when_drafter_is_always_wrong():
     prompt = torch.tensor([[5, 6]])
     reference, speculative = greedy_both(target, drafter, prompt, 9)
     assert torch.equal(reference, speculative)
-    stats = drafter.generation_stats.settle(speculative)
-    assert stats.accepted_lengths == [1] * 9 and stats.tau == 1.0
+    stats = drafter.settle(speculative)
+    assert added_per_round(stats) == [1] * 9 and stats.tau == 1.0
     assert stats.histogram(6) == [9, 0, 0, 0, 0, 0]
-    assert len(stats.rounds_drafted) == 8 and stats.undrafted_rounds == 1  # the last token needs no draft
-    assert all(r.verify_seconds > 0 for r in stats.rounds_drafted) and stats.draft_seconds > 0
+    drafted = [timing for outcomes, timing in stats.history if timing.verify > 0]
+    assert len(drafted) >= 8 and all(timing.exposed_draft > 0 for timing in drafted)
+    assert stats.verify_seconds > 0 and stats.exposed_draft_seconds > 0
 
 
 def test_statistics_before_settle_cover_the_rounds_already_decided():
@@ -99,8 +104,8 @@ def test_statistics_before_settle_cover_the_rounds_already_decided():
     always_predicts(drafter, 7)
     speculative = target.generate(torch.tensor([[1]]), max_new_tokens=12, do_sample=False, assistant_model=drafter)
     stats = drafter.generation_stats
-    assert stats.rounds == 2 and stats.accepted_lengths == [4, 4]
-    assert stats.settle(speculative).rounds == 3
+    assert stats.rounds == 2 and added_per_round(stats) == [4, 4]
+    assert drafter.settle(speculative) is stats and stats.rounds == 3 and stats.new_tokens == 12
 
 
 class RecordingStreamer(BaseStreamer):
@@ -120,9 +125,9 @@ def test_streamer_receives_each_round_as_it_completes():
     prompt = torch.tensor([[1, 2, 3, 4, 5]])
     streamer = RecordingStreamer()
     speculative = target.generate(prompt, max_new_tokens=25, do_sample=False, assistant_model=drafter, streamer=streamer)
-    stats = drafter.generation_stats.settle(speculative)
+    stats = drafter.settle(speculative)
     assert streamer.ended and streamer.chunks[0] == prompt[0].tolist()
-    assert [len(chunk) for chunk in streamer.chunks[1:]] == stats.accepted_lengths
+    assert [len(chunk) for chunk in streamer.chunks[1:]] == added_per_round(stats)
     assert sum(streamer.chunks[1:], []) == speculative[0, prompt.shape[1] :].tolist()
 
 
@@ -130,14 +135,15 @@ def test_repeated_calls_on_one_drafter_leak_no_state():
     target, drafter = pair(1, 2, block_size=16, vocab_size=8)
     prompts = [torch.tensor([[1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 1, 2]]), torch.tensor([[3]]), torch.tensor([[4, 4]])]
     first = [target.generate(p, max_new_tokens=20, do_sample=False, assistant_model=drafter) for p in prompts]
-    first_stats = drafter.generation_stats.settle(first[-1])
+    first_stats = drafter.settle(first[-1])
     again = [target.generate(p, max_new_tokens=20, do_sample=False, assistant_model=drafter) for p in reversed(prompts)]
     for prompt, out_first, out_again in zip(prompts, first, reversed(again)):
         assert torch.equal(out_first, out_again)
         assert torch.equal(out_first, target.generate(prompt, max_new_tokens=20, do_sample=False))
-    assert drafter.generation_stats is not first_stats and len(drafter.generation_stats.prompt) == 17
+    assert drafter.generation_stats is not first_stats
     with pytest.raises(ValueError, match="another generate call"):
-        drafter.generation_stats.settle(first[1])
+        drafter.settle(first[1])
+    assert drafter.settle(again[-1]).new_tokens == again[-1].shape[1] - prompts[0].shape[1]
 
 
 def test_drafter_in_another_dtype_gives_identical_output():

@@ -10,7 +10,8 @@ import transformers.generation.utils as generation_utils
 
 from conftest import tiny_target
 from distribution import NEW_TOKENS, PROMPT, SAMPLES, SETTINGS, VOCAB, chi_square_p_value, exact_distribution, sampled_counts
-from modeling_d3d import D3DBlockDraft, D3DForBlockDiffusion
+from modeling_d3d import BlockSource, D3DAssistant, D3DForBlockDiffusion
+from modeling_d3d.drafting_d3d import block_pass
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def test_the_drafts_are_really_being_rejected_and_accepted(models):
     accepted = []
     for _ in range(200):
         out = target.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=True, assistant_model=drafter, **SETTINGS)
-        accepted += drafter.generation_stats.settle(out).accepted_lengths
+        accepted += [len(o.added) for outcomes, _ in drafter.settle(out).history for o in outcomes]
     assert 1 in accepted and max(accepted) >= 2  # the test above exercises both the residual and acceptance
 
 
@@ -64,17 +65,23 @@ def test_a_wrong_residual_fails_the_test(models, monkeypatch):
     assert chi_square_p_value(speculative_counts(target, drafter), expected, SAMPLES) < 1e-6
 
 
-class DrafterReportingRawLogits(D3DForBlockDiffusion):
-    """A broken drafter: it samples from the processed distribution but reports the unprocessed logits as q."""
+class SourceReportingRawLogits(BlockSource):
+    """A broken source: it samples its drafts from the processed distribution but reports the unprocessed logits
+    (a second block pass from the same cache) as q."""
 
-    def draft_block(self, input_ids, past_key_values=None, logits_processor=None, do_sample=False):
-        processed = super().draft_block(input_ids, past_key_values, logits_processor, do_sample)
-        raw = super().draft_block(input_ids, processed.past_key_values, None, False)
-        return D3DBlockDraft(tokens=processed.tokens, logits=raw.logits, past_key_values=processed.past_key_values)
+    def propose(self, contexts, sampling):
+        proposal = super().propose(contexts, sampling)
+        proposal.logits = block_pass(self.drafter, self.cache, contexts, self.committed[: len(contexts)])
+        return proposal
 
 
 def test_a_q_without_the_logits_processors_fails_the_test(models):
     target, drafter, expected = models
-    broken = DrafterReportingRawLogits(drafter.config).eval()
-    broken.load_state_dict(drafter.state_dict())
-    assert chi_square_p_value(speculative_counts(target, broken), expected, SAMPLES) < 1e-6
+    with D3DAssistant(SourceReportingRawLogits(drafter)) as broken:
+        assert chi_square_p_value(speculative_counts(target, broken), expected, SAMPLES) < 1e-6
+
+
+def test_the_same_adapter_with_an_honest_source_passes_the_test(models):
+    target, drafter, expected = models
+    with D3DAssistant(BlockSource(drafter)) as honest:
+        assert chi_square_p_value(speculative_counts(target, honest), expected, SAMPLES) > 1e-3

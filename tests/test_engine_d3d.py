@@ -1,21 +1,32 @@
-"""Batched speculative decoding (`batched_d3d`): every row equals the target decoding it alone (greedy) or follows
-the target's distribution (sampling), with mixed lengths, early EOS, rows joining mid-run, cancellation and failures."""
+"""The engine (`engine_d3d.SpeculativeEngine` over `sources_d3d` and `drafting_d3d`): every row equals the target
+decoding it alone (greedy) or follows the target's distribution (sampling), with mixed lengths, early EOS, rows
+joining mid-run, cancellation and failures; every prepared successor branch equals block drafting from its prefix."""
 
 import itertools
+import time
 import threading
 from collections import Counter
 
 import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
-from transformers.cache_utils import DynamicCache
 
 from conftest import always_predicts, run_without_project, tiny_target
 from distribution import NEW_TOKENS, PROMPT, SAMPLES, VOCAB, chi_square_p_value, exact_distribution, processors
-from modeling_d3d import D3DAsyncBatchDecoder, D3DBatchDecoder, D3DForBlockDiffusion, RowSettings
-from modeling_d3d.batched_d3d import compact, join_rows, rejection_sample, successor_pass
+from modeling_d3d import BlockSource, D3DForBlockDiffusion, RoundRecord, RowSettings, SpeculativeEngine, SuccessorSource
+from modeling_d3d.acceptance_d3d import rejection_sample
+from modeling_d3d.caches_d3d import StaticKVCache
+from modeling_d3d.drafting_d3d import block_pass, plan_alternatives, prefill, successor_pass
+from modeling_d3d.generation_d3d import speculative_generate
+from modeling_d3d.sources_d3d import RowSampling
 
-DECODERS = {"sync": D3DBatchDecoder, "async": D3DAsyncBatchDecoder}
+SOURCES = {"sync": lambda drafter: BlockSource(drafter), "async": lambda drafter: SuccessorSource(drafter, 4, 2)}
+
+
+def engine_for(target, drafter, kind: str = "sync", max_rows: int = 64, max_length: int = 128, **source_kwargs):
+    source = None if drafter is None else (SuccessorSource(drafter, **source_kwargs) if source_kwargs
+                                           else SOURCES[kind](drafter))
+    return SpeculativeEngine(target, source, max_rows=max_rows, max_length=max_length)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -42,7 +53,7 @@ def alone(target, prompt: list[int] | torch.Tensor, max_new_tokens: int, **kwarg
     return out[0, prompt.shape[1] :].tolist()
 
 
-def drive(decoder: D3DBatchDecoder, outputs: dict, rounds: int | None = None) -> dict:
+def drive(decoder: SpeculativeEngine, outputs: dict, rounds: int | None = None) -> dict:
     """Run rounds (all, or `rounds`), collecting each row's tokens in `outputs`; returns {key: error}."""
     errors = {}
     while len(decoder) and (rounds is None or rounds > 0):
@@ -68,7 +79,7 @@ def test_every_row_of_a_mixed_length_batch_equals_the_target_alone(asynchronous)
         assert out.shape == (len(prompts), ids.shape[1] + 23)
         for row, prompt in enumerate(prompts):
             assert out[row, ids.shape[1] :].tolist() == alone(target, prompt, 23), (vocab, block, seed, row)
-        stats = drafter.batch_stats
+        stats = drafter.generation_stats
         assert stats.new_tokens == 23 * len(prompts) and all(1 <= n <= block for n in stats.accepted)
         assert sum(n * count for n, count in stats.accepted.items()) == stats.new_tokens
         accepted += stats.accepted
@@ -87,7 +98,7 @@ def test_generate_applies_its_sampling_processors_to_every_row():
                                  temperature=0.5)
     for row, prompt in enumerate(prompts):
         assert out[row, ids.shape[1] :].tolist() == alone(target, prompt, 20)
-    assert max(drafter.batch_stats.accepted) >= 2
+    assert max(drafter.generation_stats.accepted) >= 2
 
 
 def test_rows_stop_at_their_own_eos_and_the_others_go_on():
@@ -111,7 +122,7 @@ def test_a_row_stopping_at_eos_leaves_the_batch_at_once():
     target, drafter = pair(0, 4, 96)
     always_predicts(target, 7)
     always_predicts(drafter, 7)
-    decoder = D3DBatchDecoder(target, drafter)
+    decoder = engine_for(target, drafter)
     decoder.add("stops", [1, 2, 3], RowSettings(max_new_tokens=40, eos_token_ids=frozenset({7})))
     decoder.add("runs", [4, 5], RowSettings(max_new_tokens=9))
     first = {o.key: o for o in decoder.step()}
@@ -120,7 +131,7 @@ def test_a_row_stopping_at_eos_leaves_the_batch_at_once():
     assert [row.key for row in decoder.rows] == ["runs"]
     outputs = {"runs": first["runs"].added}
     drive(decoder, outputs)
-    assert outputs["runs"] == [7] * 9 and decoder.stats.accepted == {1: 2, 4: 2}
+    assert outputs["runs"] == [7] * 9 and decoder.record.accepted == {1: 2, 4: 2}
 
 
 class ForwardShapes:
@@ -144,7 +155,7 @@ def test_requests_joining_mid_run_match_the_target_alone_without_recomputing_pre
     prompts = {key: torch.randint(0, 8, (n,), generator=generator).tolist() for key, n in
                [("a", 5), ("b", 31), ("c", 1), ("d", 12), ("e", 40)]}
     limits = {"a": 40, "b": 25, "c": 30, "d": 33, "e": 20}
-    decoder = D3DBatchDecoder(target, drafter)
+    decoder = engine_for(target, drafter)
     outputs = {}
     for key in "ab":
         decoder.add(key, prompts[key], RowSettings(limits[key]))
@@ -161,9 +172,9 @@ def test_requests_joining_mid_run_match_the_target_alone_without_recomputing_pre
     prefills = [(1, len(p) - 1) for p in prompts.values() if len(p) > 1]
     rounds = [shape for shape in target_shapes.shapes if shape not in prefills]
     assert all(width == 16 for _, width in rounds)  # after its prefill a row costs one block per round, nothing more
-    assert sum(rows for rows, _ in rounds) == decoder.stats.row_rounds
+    assert sum(rows for rows, _ in rounds) == decoder.record.row_rounds
     drafts = [shape for shape in drafter_shapes.shapes if shape not in prefills]
-    assert len(drafts) == decoder.stats.rounds and all(width <= 2 * 16 for _, width in drafts)
+    assert len(drafts) == decoder.record.rounds and all(width <= 2 * 16 for _, width in drafts)
 
 
 def test_removing_a_row_leaves_the_others_unchanged_greedy_and_sampled():
@@ -172,7 +183,7 @@ def test_removing_a_row_leaves_the_others_unchanged_greedy_and_sampled():
     prompts = [torch.randint(0, 12, (n,), generator=generator).tolist() for n in (4, 17, 9, 2)]
 
     def run(cancel: bool) -> dict:
-        decoder = D3DBatchDecoder(target, drafter)
+        decoder = engine_for(target, drafter)
         for key, prompt in enumerate(prompts):
             sampled = key % 2 == 1
             decoder.add(key, prompt, RowSettings(24, do_sample=sampled, seed=100 + key,
@@ -208,11 +219,11 @@ class FailsAfter(LogitsProcessor):
         return scores
 
 
-@pytest.mark.parametrize("kind", DECODERS)
+@pytest.mark.parametrize("kind", SOURCES)
 def test_a_failing_row_ends_with_its_error_and_the_others_finish(kind):
     target, drafter = pair(0, 4, 12)
     prompts = {0: [1, 2, 3], 1: [4, 5, 6, 7, 8], 2: [9]}
-    decoder = DECODERS[kind](target, drafter)
+    decoder = engine_for(target, drafter, kind)
     for key, prompt in prompts.items():
         failing = LogitsProcessorList([FailsAfter(3)]) if key == 1 else LogitsProcessorList()
         decoder.add(key, prompt, RowSettings(20, logits_processor=failing))
@@ -225,7 +236,7 @@ def test_a_failing_row_ends_with_its_error_and_the_others_finish(kind):
 
 def test_a_failing_batched_pass_raises_and_reset_recovers():
     target, drafter = pair(0, 4, 12)
-    decoder = D3DBatchDecoder(target, drafter)
+    decoder = engine_for(target, drafter)
     decoder.add(0, [1, 2, 3], RowSettings(10))
     def explode(*_):
         raise RuntimeError("boom")
@@ -257,7 +268,7 @@ def test_each_sampled_row_follows_the_target_distribution(sampling_models, kind,
     prompts = {name: prompts[name] for name in names}
     counts = {name: Counter() for name in prompts}
     queue = [(name, index) for index in range(SAMPLES) for name in prompts]
-    decoder, outputs = DECODERS[kind](target, drafter), {}
+    decoder, outputs = engine_for(target, drafter, kind), {}
     while queue or len(decoder):
         while queue and len(decoder) < 64:
             name, index = queue.pop()
@@ -268,59 +279,108 @@ def test_each_sampled_row_follows_the_target_distribution(sampling_models, kind,
             outputs.setdefault(outcome.key, []).extend(outcome.added)
             if outcome.finished:
                 counts[outcome.key[0]][tuple(outputs.pop(outcome.key))] += 1
-    assert 1 in decoder.stats.accepted and max(decoder.stats.accepted) >= 2
-    assert kind == "sync" or 0 < decoder.stats.cache_hits < decoder.stats.lookups  # async rows used prepared branches
+    assert 1 in decoder.record.accepted and max(decoder.record.accepted) >= 2
+    assert kind == "sync" or 0 < decoder.record.cache_hits < decoder.record.lookups  # async rows used prepared branches
     for name, prompt in prompts.items():
         expected = exact_distribution(target, torch.tensor([prompt]))
         assert chi_square_p_value(counts[name], expected, SAMPLES) > 1e-3, name
 
 
 def test_rejection_sample_draws_from_p_and_fails_when_the_drafts_do_not_come_from_q():
-    """The acceptance rule alone: the first token is distributed as p whatever q is, provided the drafts were drawn
-    from q; drafts drawn from another distribution break it (so the per-row test above can fail)."""
+    """The acceptance rule alone, batched over SAMPLES rows: the first token is distributed as p whatever q is,
+    provided the drafts were drawn from q; drafts drawn from another distribution break it (so the per-row test
+    above can fail)."""
     rng = torch.Generator().manual_seed(0)
     p_logits, q_logits, other = (torch.randn(n, VOCAB, generator=rng) for n in (3, 2, 2))
-    honest, broken = Counter(), Counter()
-    for _ in range(SAMPLES):
-        drafts = torch.multinomial(q_logits.softmax(-1), 1, generator=rng)[:, 0]
-        honest[tuple(rejection_sample(drafts, q_logits, p_logits, rng)[:1])] += 1
-        drafts = torch.multinomial(other.softmax(-1), 1, generator=rng)[:, 0]
-        broken[tuple(rejection_sample(drafts, q_logits, p_logits, rng)[:1])] += 1
+    target_logits, draft_logits = p_logits.expand(SAMPLES, -1, -1), q_logits.expand(SAMPLES, -1, -1)
+    num_drafts = torch.full((SAMPLES,), 2)
     expected = {(token,): probability for token, probability in enumerate(p_logits[0].softmax(-1).tolist())}
-    assert chi_square_p_value(honest, expected, SAMPLES) > 1e-3
-    assert chi_square_p_value(broken, expected, SAMPLES) < 1e-6
+    results = {}
+    for name, source in (("honest", q_logits), ("broken", other)):
+        drafts = torch.multinomial(source.softmax(-1), SAMPLES, replacement=True, generator=rng).T
+        accepted, tokens = rejection_sample(drafts, num_drafts, draft_logits, target_logits, [rng] * SAMPLES)
+        assert ((0 <= accepted) & (accepted <= 2)).all()
+        results[name] = Counter((token,) for token in tokens[:, 0].tolist())
+    assert chi_square_p_value(results["honest"], expected, SAMPLES) > 1e-3
+    assert chi_square_p_value(results["broken"], expected, SAMPLES) < 1e-6
+
+
+def prefilled_cache(drafter, contexts: list[list[int]], cached: list[int]) -> StaticKVCache:
+    cache = StaticKVCache(drafter.config, len(contexts), 128, torch.device("cpu"), drafter.dtype)
+    for slot, (context, start) in enumerate(zip(contexts, cached)):
+        prefill(drafter, cache, slot, context[:start])
+    return cache
 
 
 @pytest.mark.parametrize("coverage,fanout", [(4, 2), (1, 2), (3, 0), (2, 3)])
 def test_each_successor_branch_of_each_row_equals_block_drafting_from_its_own_prefix(coverage, fanout):
-    """The packed, ragged successor pass: rows of different lengths, different cached prefixes and draft counts."""
+    """The packed, ragged successor pass over a static cache: rows of different lengths, different cached prefixes
+    and draft counts; afterwards each row's cache holds its context and drafts (rollback by length)."""
     _, drafter = pair(3, 5, 96)
     generator = torch.Generator().manual_seed(coverage * 10 + fanout)
     contexts = [torch.randint(0, 96, (n,), generator=generator).tolist() for n in (6, 13, 2)]
     cached = [5, 9, 0]
-    cache, valid = DynamicCache(config=drafter.config), torch.zeros(0, 0, dtype=torch.bool)
-    for context, start in zip(contexts, cached):
-        row_cache = DynamicCache(config=drafter.config)
-        if start:
-            drafter(input_ids=torch.tensor([context[:start]]), past_key_values=row_cache, use_cache=True)
-        valid = join_rows(cache, valid, row_cache, torch.ones(1, start, dtype=torch.bool))
+    cache = prefilled_cache(drafter, contexts, cached)
     blocks = [drafter.draft_block(torch.tensor([context])) for context in contexts]
-    drafts = [blocks[0].tokens[0], blocks[1].tokens[0, :2], blocks[2].tokens[0]]  # ragged: as after a branch hit
-    logits = [blocks[0].logits[0], blocks[1].logits[0, :2], blocks[2].logits[0]]
-    valid, branches = successor_pass(drafter, cache, valid, contexts, cached, drafts, logits, coverage, fanout,
-                                     [(LogitsProcessorList(), False, None)] * 3)
-    assert valid.sum(1).tolist() == [len(c) + len(d) for c, d in zip(contexts, drafts)]
-    for context, row_drafts, prepared in zip(contexts, drafts, branches):
-        listed = row_drafts.tolist()
-        assert len(prepared) == min(coverage - 1, len(listed)) * fanout + 1
-        for key, (tokens, branch_logits) in prepared.items():
-            full = len(key) == len(listed) + 1 and list(key[:-1]) == listed
-            alone = drafter.draft_block(torch.tensor([context + (listed if full else list(key))]))
-            expected_tokens, expected_logits = (alone.tokens[0, 1:], alone.logits[0, 1:]) if full else (alone.tokens[0], alone.logits[0])
-            if full:
-                assert key[-1] == alone.tokens[0, 0].item()
-            assert torch.equal(tokens, expected_tokens), key
-            torch.testing.assert_close(branch_logits, expected_logits, atol=1e-4, rtol=0)
+    drafts = [blocks[0].tokens[0].tolist(), blocks[1].tokens[0, :2].tolist(), blocks[2].tokens[0].tolist()]  # ragged
+    ranked = [block.logits[0].topk(fanout + 1, dim=-1).indices for block in blocks]
+    anchors = []
+    for row_drafts, row_ranked in zip(drafts, ranked):
+        n = len(row_drafts)
+        alternatives = plan_alternatives(torch.tensor([row_drafts]), row_ranked[None, :n], coverage, fanout)[0]
+        row = [(int(token), j) for j in range(min(coverage - 1, n)) for token in alternatives[j]]
+        anchors.append(row + [(row_drafts[-1], n - 1)])
+    raw = successor_pass(drafter, cache, contexts, cached, drafts, anchors)
+    for r, (context, row_drafts, row_anchors) in enumerate(zip(contexts, drafts, anchors)):
+        assert len(row_anchors) == min(coverage - 1, len(row_drafts)) * fanout + 1
+        for k, (token, j) in enumerate(row_anchors):
+            prefix = context + row_drafts[:j] + [token]
+            alone = drafter.draft_block(torch.tensor([prefix]))
+            torch.testing.assert_close(raw[r, k], alone.logits[0], atol=1e-4, rtol=0)
+            assert j == len(row_drafts) - 1 or token != row_drafts[j]  # an alternative differs from the draft
+    # commit what "verification" kept: the cache is valid for each row's context and its first `a` drafts
+    kept = [1, 2, 0]
+    new_contexts = [c + d[:a] + [7] for c, d, a in zip(contexts, drafts, kept)]
+    raw = block_pass(drafter, cache, new_contexts, [len(c) + a for c, a in zip(contexts, kept)])
+    for r, context in enumerate(new_contexts):
+        torch.testing.assert_close(raw[r], drafter.draft_block(torch.tensor([context])).logits[0], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("block_size,coverage,fanout", [(5, 4, 2), (4, 4, 3), (6, 1, 2), (4, 3, 0), (3, 2, 1)])
+def test_every_branch_a_successor_source_prepares_equals_block_drafting_from_its_own_prefix(block_size, coverage,
+                                                                                            fanout):
+    """After one propose + observe, every prepared branch of every row (rejection branches and the full-acceptance
+    branch, whose first token is the guess in its key) equals `draft_block` from the prefix its key spells."""
+    _, drafter = pair(0, block_size, 96)
+    generator = torch.Generator().manual_seed(block_size + coverage)
+    contexts = [torch.randint(0, 96, (n,), generator=generator).tolist() for n in (11, 1, 6)]
+    with SuccessorSource(drafter, coverage, fanout) as source:
+        source.allocate(3, 64)
+        for slot, context in enumerate(contexts):
+            source.add(slot, context)
+        proposal = source.propose(contexts, [RowSampling() for _ in contexts])
+        source.observe(contexts, [0, 0, 0])
+        m = block_size - 1
+        for r, context in enumerate(contexts):
+            drafts = proposal.drafts[r].tolist()
+            alone = drafter.draft_block(torch.tensor([context]))
+            assert drafts == alone.tokens[0].tolist() and int(proposal.num_drafts[r]) == m
+            branch = source.branches[r]
+            assert branch.base == len(context)
+            assert len(branch.keys) == min(coverage - 1, m) * fanout + 1
+            assert sum(count + 1 for count in branch.counts) <= source.budget_tokens
+            for key, k in branch.keys.items():
+                full = len(key) == m + 1
+                assert list(key[:-1]) == drafts[: len(key) - 1] and (full or key[-1] != drafts[len(key) - 1])
+                expected = drafter.draft_block(torch.tensor([context + list(key if not full else key[:-1])]))
+                expected = expected.tokens[0].tolist()
+                if full:
+                    assert key[-1] == expected[0]
+                    expected = expected[1:]
+                assert branch.tokens[k, : branch.counts[k]].tolist() == expected, (r, key)
+            ranks = alone.logits[0].argsort(-1, descending=True)
+            for j in range(min(coverage - 1, m)):  # the alternatives: the next most probable drafter tokens
+                assert [key[-1] for key in branch.keys if len(key) == j + 1] == ranks[j, 1 : fanout + 1].tolist()
 
 
 def test_asynchronous_rows_joining_and_stopping_match_the_target_alone_and_hit_branches():
@@ -330,7 +390,7 @@ def test_asynchronous_rows_joining_and_stopping_match_the_target_alone_and_hit_b
         generator = torch.Generator().manual_seed(vocab + block)
         prompts = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in (1, 3, 9, 17, 5)]
         eos_ids = frozenset() if eos is None else frozenset({eos})
-        decoder = D3DAsyncBatchDecoder(target, drafter, coverage, fanout)
+        decoder = engine_for(target, drafter, coverage=coverage, fanout=fanout)
         outputs = {}
         for key in (0, 1, 2):
             decoder.add(key, prompts[key], RowSettings(20 + key, eos_token_ids=eos_ids))
@@ -342,43 +402,51 @@ def test_asynchronous_rows_joining_and_stopping_match_the_target_alone_and_hit_b
         for key, prompt in enumerate(prompts):
             assert outputs[key] == alone(target, prompt, 20 + key, **kwargs), (vocab, block, eos, key)
             compared += 1
-        hits, lookups = hits + decoder.stats.cache_hits, lookups + decoder.stats.lookups
+        hits, lookups = hits + decoder.record.cache_hits, lookups + decoder.record.lookups
     assert compared == 30 and 0 < hits < lookups  # both hits and misses happened
 
 
-def test_compact_and_join_keep_each_rows_valid_columns_in_order():
-    cache = DynamicCache(ddp_cache_data=[(torch.arange(12.0).reshape(2, 1, 6, 1), -torch.arange(12.0).reshape(2, 1, 6, 1))])
-    valid = torch.tensor([[0, 1, 1, 0, 1, 0], [1, 1, 1, 1, 0, 0]], dtype=torch.bool)
-    valid = compact(cache, valid)
-    assert valid.tolist() == [[False, True, True, True], [True, True, True, True]]
-    assert cache.layers[0].keys[:, 0, :, 0].tolist()[0][1:] == [1.0, 2.0, 4.0]
-    assert cache.layers[0].keys[:, 0, :, 0].tolist()[1] == [6.0, 7.0, 8.0, 9.0]
-    other = DynamicCache(ddp_cache_data=[(torch.full((1, 1, 5, 1), 50.0), torch.full((1, 1, 5, 1), -50.0))])
-    valid = join_rows(cache, valid, other, torch.ones(1, 5, dtype=torch.bool))
-    assert valid.shape == (3, 5) and valid.sum(1).tolist() == [3, 4, 5]
-    assert cache.layers[0].keys[2, 0, :, 0].tolist() == [50.0] * 5 and cache.layers[0].values.shape == (3, 1, 5, 1)
+
+
+def test_a_static_cache_moves_a_rows_committed_columns_only():
+    """Rows leave by one row copy: the committed columns of the last row move into the freed slot, nothing else."""
+    target = tiny_target(0, vocab_size=12)
+    cache = StaticKVCache(target.config, 3, 8, torch.device("cpu"), torch.float32)
+    for layer in cache.keys + cache.values:
+        layer.copy_(torch.randn(layer.shape))
+    before = [layer.clone() for layer in cache.keys + cache.values]
+    cache.move_row(2, 0, 5)
+    for old, new in zip(before, cache.keys + cache.values):
+        assert torch.equal(new[0, :, :5], old[2, :, :5]) and torch.equal(new[0, :, 5:], old[0, :, 5:])
+        assert torch.equal(new[1:], old[1:])
+    with pytest.raises(ValueError, match="does not fit"):
+        cache.plan(4, torch.zeros(4, 1, dtype=torch.long), 2)
 
 
 def test_bad_input_is_refused_with_a_clear_error():
     target, drafter = pair(0, 4, 12)
     with pytest.raises(ValueError, match="vocabulary size"):
-        D3DBatchDecoder(tiny_target(0, vocab_size=16), drafter)
+        SpeculativeEngine(tiny_target(0, vocab_size=16), BlockSource(drafter))
     with pytest.raises(ValueError, match="full attention"):
-        D3DBatchDecoder(tiny_target(0, vocab_size=12, layer_types=["sliding_attention", "full_attention"],
-                                    sliding_window=8, use_sliding_window=True), drafter)
-    decoder = D3DBatchDecoder(target, drafter)
+        SpeculativeEngine(tiny_target(0, vocab_size=12, layer_types=["sliding_attention", "full_attention"],
+                                      sliding_window=8, use_sliding_window=True), BlockSource(drafter))
+    decoder = engine_for(target, drafter, max_rows=1, max_length=64)
     with pytest.raises(ValueError, match="at least one token"):
         decoder.add(0, [], RowSettings(5))
     with pytest.raises(ValueError, match="max_new_tokens"):
         RowSettings(0)
-    with pytest.raises(ValueError, match="max_position_embeddings"):
-        decoder.add(0, [1] * 500, RowSettings(20))
+    with pytest.raises(ValueError, match="max_length 64"):
+        decoder.add(0, [1] * 50, RowSettings(20))
+    with pytest.raises(ValueError, match="token ids"):
+        decoder.add(0, [1, 12], RowSettings(5))
     decoder.add(0, [1, 2], RowSettings(5))
     with pytest.raises(ValueError, match="already"):
         decoder.add(0, [3], RowSettings(5))
+    with pytest.raises(ValueError, match="holds 1 rows"):
+        decoder.add(1, [3], RowSettings(5))
     with pytest.raises(ValueError, match="drafter="):
-        target.generate(torch.tensor([[1, 2]]), max_new_tokens=2,
-                        custom_generate=__import__("modeling_d3d").batched_speculative_generate)
+        target.generate(torch.tensor([[1, 2]]), max_new_tokens=2, custom_generate=speculative_generate,
+                        asynchronous=True)
 
 
 REMOTE_BATCH = """
@@ -402,16 +470,88 @@ REMOTE_BATCH = """
 
 def test_batched_decoding_works_from_the_saved_remote_code(tmp_path):
     D3DForBlockDiffusion.from_backbone(tiny_target(3, vocab_size=96), block_size=5).save_pretrained(tmp_path / "drafter")
-    assert {"batched_d3d.py", "serving_d3d.py"} <= {path.name for path in (tmp_path / "drafter").iterdir()}
+    assert {"engine_d3d.py", "sources_d3d.py", "drafting_d3d.py", "serving_d3d.py"} <= {path.name for path in (tmp_path / "drafter").iterdir()}
     result = run_without_project(REMOTE_BATCH, str(tmp_path / "drafter"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "batched remote code ok" in result.stdout
 
 
+
+
 @pytest.mark.parametrize("settings", [{"min_new_tokens": 3}, {"forced_eos_token_id": 1}, {"repetition_penalty": 1.3}])
-def test_settings_a_padded_batch_would_get_wrong_are_refused(settings):
+def test_settings_that_depend_on_a_rows_own_length_follow_each_row_of_a_padded_batch(settings):
+    """Processors built from the prompt's length are rebuilt per row of a left-padded batch: each row as alone."""
     target, drafter = pair(0, block_size=4, vocab_size=12)
-    ids = torch.tensor([[0, 0, 5, 6], [3, 4, 5, 6]])
-    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
-    with pytest.raises(ValueError, match="D3DBatchServer"):
-        drafter.generate_batch(target, ids, attention_mask=mask, max_new_tokens=4, do_sample=False, **settings)
+    prompts = [torch.tensor([5, 6]), torch.tensor([3, 4, 5, 6, 9, 1])]
+    ids, mask = left_pad(prompts)
+    kwargs = dict(eos_token_id=2, pad_token_id=2, **settings)
+    for asynchronous in (False, True):
+        out = drafter.generate_batch(target, ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                     asynchronous=asynchronous, **kwargs)
+        for row, prompt in enumerate(prompts):
+            reference = alone(target, prompt, 6, **kwargs)
+            assert out[row, ids.shape[1] : ids.shape[1] + len(reference)].tolist() == reference, (settings, row)
+
+
+def check_record(record: RoundRecord, block_size: int) -> None:
+    """The totals of a RoundRecord are the sums of its rounds, and each round's parts add up to its total."""
+    outcomes = [outcome for round_outcomes, _ in record.history for outcome in round_outcomes]
+    timings = [timing for _, timing in record.history]
+    assert record.rounds == len(record.history) and record.row_rounds == len(outcomes)
+    assert record.new_tokens == sum(len(outcome.added) for outcome in outcomes)
+    assert sum(n * count for n, count in record.accepted.items()) == record.new_tokens
+    assert sum(record.histogram(block_size)) == record.row_rounds and max(record.accepted) <= block_size
+    assert record.cache_hits == sum(outcome.from_cache for outcome in outcomes) <= record.lookups
+    assert all(outcome.drafted <= len(outcome.added) - (not outcome.finished) for outcome in outcomes)
+    for timing in timings:
+        assert min(timing.verify, timing.exposed_draft, timing.hidden_draft, timing.host) >= 0
+        assert timing.total == timing.verify + timing.exposed_draft + timing.host
+    for name in ("verify", "exposed_draft", "hidden_draft", "host"):
+        assert getattr(record, f"{name}_seconds") == pytest.approx(sum(getattr(t, name) for t in timings), abs=1e-9)
+    assert record.seconds == pytest.approx(sum(t.total for t in timings), abs=1e-9)
+    assert record.tau == pytest.approx(record.new_tokens / record.row_rounds)
+
+
+@pytest.mark.parametrize("path", ["sync", "async", "alone"])
+def test_the_round_record_of_a_generate_call_adds_up_to_its_output(path):
+    target, drafter = pair(1, 5, 8)
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 8, (n,), generator=generator) for n in (1, 6, 13, 4)]
+    eos = alone(target, prompts[1], 21)[3]  # a token the target generates: a row stops at it
+    ids, mask = left_pad(prompts, pad=eos)
+    record = RoundRecord()
+    kwargs = dict(max_new_tokens=21, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+    target.generate(ids, attention_mask=mask, custom_generate=speculative_generate, round_record=record,
+                    drafter=None if path == "alone" else drafter, asynchronous=path == "async", **kwargs)
+    references = [alone(target, prompt, 21, eos_token_id=eos, pad_token_id=eos) for prompt in prompts]
+    per_row = Counter()
+    for outcomes, _ in record.history:
+        for outcome in outcomes:
+            per_row[outcome.key] += len(outcome.added)
+    assert [per_row[r] for r in range(len(prompts))] == [len(reference) for reference in references]
+    assert record.new_tokens == sum(len(reference) for reference in references)
+    assert any(len(reference) < 21 for reference in references)  # a row stopped at EOS
+    check_record(record, 1 if path == "alone" else 5)
+    if path == "async":
+        assert 0 < record.cache_hits <= record.lookups and record.hidden_draft_seconds > 0
+    if path == "alone":
+        assert set(record.accepted) == {1} and record.exposed_draft_seconds == 0
+
+
+@pytest.mark.parametrize("kind", SOURCES)
+def test_each_rounds_timing_fits_inside_the_step_that_ran_it(kind):
+    """Driving the engine: every round's total is measured within its `step` call, and its record adds up."""
+    target, drafter = pair(0, 4, 12)
+    decoder = engine_for(target, drafter, kind)
+    for key, prompt in enumerate([[1, 2, 3], [4, 5, 6, 7, 8], [9]]):
+        decoder.add(key, prompt, RowSettings(15))
+    outputs = {}
+    while len(decoder):
+        start = time.perf_counter()
+        for outcome in decoder.step():
+            outputs.setdefault(outcome.key, []).extend(outcome.added)
+        wall = time.perf_counter() - start
+        assert decoder.record.history[-1][1].total <= wall
+    decoder.close()
+    assert decoder.record.new_tokens == sum(len(tokens) for tokens in outputs.values()) == 45
+    check_record(decoder.record, 4)

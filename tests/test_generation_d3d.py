@@ -1,0 +1,303 @@
+"""Every front door of the engine (`generation_d3d.speculative_generate` through `target.generate`) and the
+`assistant_model=` adapters give, in float32 greedy decoding, exactly the target's own `generate` output; stop
+strings and custom stopping criteria stop exactly where the target alone stops, also in the middle of an accepted
+block; settings the engine does not run are refused."""
+
+import itertools
+
+import pytest
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList, StopStringCriteria
+from transformers.generation.streamers import BaseStreamer
+
+from conftest import always_predicts, tiny_target, word_tokenizer
+from modeling_d3d import D3DAssistedGenerator, D3DForBlockDiffusion, RoundRecord, speculative_generate
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PAIRS = [(8, 4, 0), (12, 6, 1), (10, 3, 2)]  # (vocab, block size, seed): small vocabularies, drafts get accepted
+EOS = 2
+
+
+def pair(vocab: int, block: int, seed: int):
+    target = tiny_target(seed, vocab_size=vocab)
+    drafter = D3DForBlockDiffusion.from_backbone(tiny_target(seed + 10, vocab_size=vocab), block_size=block).eval()
+    return target, drafter
+
+
+def make_cases():
+    """54 random cases plus one prompt that reaches max_position_embeddings (512): (pair index, prompt, max new
+    tokens, eos or None)."""
+    generator = torch.Generator().manual_seed(0)
+    cases = []
+    for index, (vocab, block, _) in enumerate(PAIRS):
+        lengths = [1, 1, 2, block - 1, block, block + 1, 2 * block + 3, 9, 17]
+        for n, (max_new, eos) in zip(lengths * 2, itertools.product([1, 2, 7, 19], [None, EOS])):
+            cases.append((index, torch.randint(0, vocab, (1, n), generator=generator), max_new, eos))
+        lengths = [1, 5, 12, 3, 8, 2, 14, 6, 11]
+        for n, max_new, eos in zip(lengths, [2, 13, 19, 1, 9, 19, 4, 16, 19], [EOS, EOS, EOS, None, EOS, None, EOS, None, EOS]):
+            cases.append((index, torch.randint(0, vocab, (1, n), generator=generator), max_new, eos))
+    cases.append((0, torch.randint(0, PAIRS[0][0], (1, 505), generator=generator), 7, None))
+    return cases
+
+
+def eos_kwargs(eos):
+    return {} if eos is None else dict(eos_token_id=eos, pad_token_id=eos)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    models = [pair(*spec) for spec in PAIRS]
+    cases = make_cases()
+    references = [models[i][0].generate(ids, max_new_tokens=n, do_sample=False, **eos_kwargs(eos))
+                  for i, ids, n, eos in cases]
+    return models, cases, references
+
+
+def test_the_cases_cover_eos_inside_a_block_short_outputs_and_the_position_limit(setup):
+    models, cases, references = setup
+    assert len(cases) >= 50 and min(ids.shape[1] for _, ids, _, _ in cases) == 1
+    assert {1, 2} <= {n for _, _, n, _ in cases}
+    assert max(ids.shape[1] + n for _, ids, n, _ in cases) == 512 == models[0][0].config.max_position_embeddings
+    stopped = [ref.shape[1] < ids.shape[1] + n for (_, ids, n, _), ref in zip(cases, references)]
+    assert 3 <= sum(stopped) < len(cases)  # some rows stop at EOS before max_new_tokens, most do not
+
+
+ENGINE_PATHS = {
+    "sync": dict(),
+    "async-C1-F0": dict(asynchronous=True, coverage=1, fanout=0),
+    "async-C2-F3": dict(asynchronous=True, coverage=2, fanout=3),
+    "async-C3-F2": dict(asynchronous=True, coverage=3, fanout=2),
+    "async-Cmax-F1": dict(asynchronous=True, fanout=1),
+}
+
+
+@pytest.mark.parametrize("path", [*ENGINE_PATHS, "target-alone", "assistant-drafter", "assistant-generator"])
+def test_greedy_output_is_token_identical_to_the_targets_own_generate(setup, path):
+    models, cases, references = setup
+    accepted = set()
+    for case, reference in zip(cases, references):
+        index, ids, max_new, eos = case
+        target, drafter = models[index]
+        kwargs = dict(max_new_tokens=max_new, do_sample=False, **eos_kwargs(eos))
+        if path in ENGINE_PATHS:
+            settings = dict(ENGINE_PATHS[path])
+            if path == "async-Cmax-F1":
+                settings["coverage"] = drafter.config.block_size
+            out = target.generate(ids, custom_generate=speculative_generate, drafter=drafter, **settings, **kwargs)
+            accepted |= set(drafter.generation_stats.accepted)
+        elif path == "target-alone":
+            record = RoundRecord()
+            out = target.generate(ids, custom_generate=speculative_generate, drafter=None, round_record=record, **kwargs)
+            assert set(record.accepted) == {1}
+        elif path == "assistant-drafter":
+            out = target.generate(ids, assistant_model=drafter, **kwargs)
+            if max_new > 1:
+                accepted |= set(drafter.settle(out).accepted)
+        else:
+            with D3DAssistedGenerator(drafter, coverage=3, fanout=2) as generator:
+                out = target.generate(ids, assistant_model=generator, **kwargs)
+                if max_new > 1:
+                    accepted |= set(generator.settle(out).accepted)
+        assert torch.equal(out, reference), (path, index, ids.shape[1], max_new, eos)
+    if path != "target-alone":
+        assert 1 in accepted and max(accepted) >= 3  # rejections and multi-token acceptances both happened
+
+
+def left_pad(prompts: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, prompt in enumerate(prompts):
+        ids[i, width - len(prompt) :], mask[i, width - len(prompt) :] = prompt, 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_every_row_of_a_left_padded_batch_is_token_identical_to_the_target_alone(setup, asynchronous):
+    """The cases grouped by model and settings into batches of rows of different lengths, left-padded."""
+    models, cases, references = setup
+    groups: dict = {}
+    for case, reference in zip(cases, references):
+        groups.setdefault((case[0], case[2], case[3]), []).append((case[1][0], reference[0, case[1].shape[1] :]))
+    assert sum(len(rows) > 1 for rows in groups.values()) >= 5
+    for (index, max_new, eos), rows in groups.items():
+        target, drafter = models[index]
+        ids, mask = left_pad([prompt for prompt, _ in rows], pad=EOS if eos is not None else 0)
+        out = drafter.generate_batch(target, ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
+                                     asynchronous=asynchronous, coverage=min(3, drafter.config.block_size), fanout=2,
+                                     **eos_kwargs(eos))
+        for row, (_, reference) in enumerate(rows):
+            tail = out[row, ids.shape[1] :].tolist()
+            assert tail[: len(reference)] == reference.tolist(), (index, max_new, eos, row)
+            assert set(tail[len(reference) :]) <= {EOS}
+
+
+class StopAfterToken(StoppingCriteria):
+    """A custom criterion: a row is done once it generated `token`."""
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+STOP_VOCAB = 12
+# w0..w8, then the word StopStringCriteria tokenizes to find each token's string, <eos> = 10, <pad> = 11
+TOKENIZER = word_tokenizer(num_words=STOP_VOCAB - 2, words=("abcdef",))
+WORDS = STOP_VOCAB - 3  # ids of plain words
+PAD = TOKENIZER.pad_token_id
+
+
+def stop_kwargs(kind: str, token: int) -> dict:
+    if kind == "stop_strings":
+        return dict(stop_strings=[TOKENIZER.convert_ids_to_tokens(token)], tokenizer=TOKENIZER)
+    return dict(stopping_criteria=StoppingCriteriaList([StopAfterToken(token)]))
+
+
+def test_stop_string_criteria_passed_to_custom_generate_directly_are_lossless():
+    """`target.generate(custom_generate=..., stop_strings=..., tokenizer=...)` cannot work (generate drops the
+    tokenizer before calling a custom_generate callable); the same criterion passed as `stopping_criteria` does."""
+    target, drafter = pair(STOP_VOCAB, 4, 0)
+    always_predicts(target, 7)
+    always_predicts(drafter, 7)
+    ids = torch.tensor([[1, 2, 3]])
+    criteria = StoppingCriteriaList([StopStringCriteria(TOKENIZER, ["w7"])])
+    reference = target.generate(ids, max_new_tokens=9, do_sample=False, stopping_criteria=criteria)
+    out = target.generate(ids, max_new_tokens=9, do_sample=False, stopping_criteria=criteria,
+                          custom_generate=speculative_generate, drafter=drafter)
+    assert torch.equal(out, reference) and out.shape[1] == 4
+
+
+def run_path(path: str, target, drafter, ids: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor, RoundRecord]:
+    """The output, the prompt the target read (reduced under selective prefill) and the round record."""
+    if path == "selective-prefill":
+        result = drafter.speculative_generate(target, ids, selective_prefill=0.5, chunk_size=4, **kwargs)
+        return result.output, result.prompt_ids, result.stats
+    record = RoundRecord()
+    settings = dict(asynchronous=True, coverage=3, fanout=2) if path == "async" else {}
+    if "stop_strings" in kwargs:  # generate drops `tokenizer=` before a custom_generate callable: the front door
+        out = drafter.generate_batch(target, ids, round_record=record, **settings, **kwargs)
+    else:
+        out = target.generate(ids, custom_generate=speculative_generate, drafter=drafter, round_record=record,
+                              **settings, **kwargs)
+    return out, ids, record
+
+
+STOP_PATHS = ["sync", "async", "selective-prefill"]
+
+
+@pytest.mark.parametrize("kind", ["stop_strings", "criteria"])
+@pytest.mark.parametrize("path", STOP_PATHS)
+def test_a_stop_in_the_middle_of_an_accepted_block_stops_exactly_there(kind, path):
+    """A drafter that always agrees: every round would accept a whole block; the stop fires at the first token, so
+    accepting the block and then checking would return B tokens instead of one."""
+    target, drafter = pair(STOP_VOCAB, 4, 0)
+    always_predicts(target, 7)
+    always_predicts(drafter, 7)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 8, 9]])
+    kwargs = dict(max_new_tokens=12, do_sample=False, **stop_kwargs(kind, 7))
+    out, prompt, record = run_path(path, target, drafter, ids, **kwargs)
+    reference = target.generate(prompt, **kwargs)
+    assert reference.shape[1] == prompt.shape[1] + 1 and torch.equal(out, reference)
+    assert record.new_tokens == 1 and record.rounds == 1
+    _, _, unstopped = run_path(path, target, drafter, ids, max_new_tokens=12, do_sample=False)
+    assert len(unstopped.history[0][0][0].added) == 4  # without the stop, that round adds a whole block
+
+
+def stop_inside_a_round(record: RoundRecord, position: int) -> bool:
+    """Whether generated token `position` was not the last token its round added (a stop there cuts the round)."""
+    done = 0
+    for outcomes, _ in record.history:
+        added = len(outcomes[0].added)
+        if done <= position < done + added - 1:
+            return True
+        done += added
+    return False
+
+
+@pytest.mark.parametrize("kind", ["stop_strings", "criteria"])
+@pytest.mark.parametrize("path", STOP_PATHS + ["batched"])
+def test_stop_conditions_on_random_prompts_are_token_identical_to_the_target_alone(kind, path):
+    """The stop token is one the target alone generates (first occurrence), so the stop really fires; at least one
+    case stops inside a round of several accepted tokens."""
+    generator = torch.Generator().manual_seed(1)
+    compared, inside = 0, 0
+    for seed in range(3):
+        target = tiny_target(seed, vocab_size=STOP_VOCAB)
+        drafter = D3DForBlockDiffusion.from_backbone(target, block_size=5).eval()  # its own weights: it agrees often
+        prompts = [torch.randint(0, WORDS, (n,), generator=generator) for n in (3, 7, 1, 12)]
+        chosen = []
+        for prompt in prompts:
+            free = target.generate(prompt[None], max_new_tokens=16, do_sample=False)[0, len(prompt) :].tolist()
+            firsts = [i for i, t in enumerate(free) if t not in free[:i] and i >= 1 and t < WORDS] or [0]
+            # prefer a stop the unstopped run reaches in the middle of a round (accept-then-check overshoots there)
+            _, _, record = run_path("sync", target, drafter, prompt[None], max_new_tokens=16, do_sample=False)
+            inner = [i for i in firsts if stop_inside_a_round(record, i)]
+            chosen.append((free[(inner or firsts)[-1]], (inner or firsts)[-1]))
+        if path == "batched":
+            # one stop token for the batch: the first row's; each row compared with itself decoded alone
+            token = chosen[0][0]
+            ids, mask = left_pad(prompts, pad=PAD)  # a pad id no prompt holds (generate infers masks from it)
+            kwargs = dict(max_new_tokens=16, do_sample=False, pad_token_id=PAD, **stop_kwargs(kind, token))
+            out = drafter.generate_batch(target, ids, attention_mask=mask, **kwargs)
+            for row, prompt in enumerate(prompts):
+                reference = target.generate(prompt[None], **kwargs)[0, len(prompt) :].tolist()
+                assert out[row, ids.shape[1] : ids.shape[1] + len(reference)].tolist() == reference, (seed, row)
+                compared += 1
+            free = drafter.generate_batch(target, prompts[0][None], max_new_tokens=16, do_sample=False)
+            inside += stop_inside_a_round(drafter.generation_stats, chosen[0][1])
+            continue
+        for prompt, (token, position) in zip(prompts, chosen):
+            kwargs = dict(max_new_tokens=16, do_sample=False, **stop_kwargs(kind, token))
+            out, ids, _ = run_path(path, target, drafter, prompt[None], **kwargs)
+            reference = target.generate(ids, **kwargs)
+            assert torch.equal(out, reference), (path, kind, seed, prompt.tolist())
+            compared += 1
+            _, _, record = run_path(path, target, drafter, prompt[None], max_new_tokens=16, do_sample=False)
+            inside += path != "selective-prefill" and stop_inside_a_round(record, position)
+    assert compared == 12 and (inside >= 1 or path == "selective-prefill")
+
+
+@pytest.mark.parametrize("settings", [dict(num_beams=3), dict(do_sample=True, num_return_sequences=2),
+                                      dict(num_beams=3, num_return_sequences=2)])
+def test_beam_search_and_several_sequences_per_prompt_are_refused(settings):
+    target, drafter = pair(12, 4, 0)
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError):
+        drafter.generate_batch(target, ids, max_new_tokens=4, **settings)
+    for source in (dict(drafter=drafter), dict(drafter=drafter, asynchronous=True), dict(drafter=None)):
+        with pytest.raises(ValueError, match="D3D speculative decoding"):
+            target.generate(ids, max_new_tokens=4, custom_generate=speculative_generate, **source, **settings)
+
+
+class RecordingStreamer(BaseStreamer):
+    def __init__(self):
+        self.chunks: list[list[int]] = []
+        self.ended = False
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended = True
+
+
+@pytest.mark.parametrize("path", ["sync", "async", "selective-prefill"])
+def test_a_streamer_through_the_front_doors_gets_the_prompt_then_each_round(path):
+    target, drafter = pair(8, 4, 0)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 1, 2]])
+    streamer = RecordingStreamer()
+    kwargs = dict(max_new_tokens=20, do_sample=False, streamer=streamer)
+    if path == "selective-prefill":
+        result = drafter.speculative_generate(target, ids, selective_prefill=0.5, chunk_size=4, **kwargs)
+        out, prompt, record = result.output, result.prompt_ids, result.stats
+    else:
+        record = RoundRecord()
+        out = drafter.generate_batch(target, ids, asynchronous=path == "async", round_record=record, **kwargs)
+        prompt = ids
+    assert torch.equal(out, target.generate(prompt, max_new_tokens=20, do_sample=False))
+    assert streamer.ended and streamer.chunks[0] == prompt[0].tolist()
+    assert [len(chunk) for chunk in streamer.chunks[1:]] == [len(o.added) for r, _ in record.history for o in r]
+    assert sum(streamer.chunks[1:], []) == out[0, prompt.shape[1] :].tolist()
