@@ -28,7 +28,7 @@ def test_every_artifact_is_written(output):
 def test_the_chosen_dtype_is_recorded_in_the_artifacts(output):
     chosen = choose_dtype().description
     assert json.loads((output / "sizes.json").read_text())["dtype"] == chosen
-    assert json.loads((output / "bench.json").read_text())["dtype"] == chosen
+    assert json.loads((output / "bench.json").read_text())["dtype"] == f"training {chosen}; benchmark float32 (exact token identity)"
     assert json.loads((output / "drafter" / "d3d_training.json").read_text())["dtype"] == chosen
     assert f"- training dtype: {chosen}" in (output / "drafter" / "README.md").read_text()
 
