@@ -7,6 +7,7 @@ scratch columns after them and are never committed, so a pass leaves the committ
 commits (rollback by length).
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -79,11 +80,11 @@ def run_pass(model, cache: StaticKVCache, layout: PassLayout, logits_to_keep: in
              forward=None) -> torch.Tensor:
     """One forward of `model` (a target or a drafter) over `layout` on cache rows `first_row..`; returns the float32
     logits of the last `logits_to_keep` input columns, `(rows, logits_to_keep, vocab)`. `forward`: a compiled
-    `model.forward` to use instead (same arguments); it attends over every cache column, so its shapes stay fixed
-    from round to round (eager passes attend over the columns in use only)."""
+    `model.forward` (`CompiledForward`) to use instead; with fixed shapes it attends over every cache column (else,
+    as eager passes, over the columns in use only)."""
     device = cache.device
     rows = layout.ids.shape[0]
-    kv_length = cache.capacity if forward is not None else layout.kv_length()
+    kv_length = cache.capacity if fixed_shapes(forward) else layout.kv_length()
     cache.plan(rows, layout.write_index, kv_length, first_row)
     mask = interval_mask(
         model.config, layout.prefix_end.to(device), layout.own_start.to(device), layout.own_end.to(device), kv_length,
@@ -96,10 +97,30 @@ def run_pass(model, cache: StaticKVCache, layout: PassLayout, logits_to_keep: in
     return output.logits.float()
 
 
-def compiled_forward(model):
-    """`model.forward` compiled for fixed shapes: CUDA graphs ("reduce-overhead") on CUDA, inductor elsewhere."""
-    mode = "reduce-overhead" if model.device.type == "cuda" else None
-    return torch.compile(model.forward, mode=mode, dynamic=False)
+@dataclass
+class CompiledForward:
+    """A compiled `model.forward`. With `fixed_shapes` (CUDA graphs, "reduce-overhead") every pass of a kind has one
+    shape: it attends over every cache column and drafting widths are padded to their largest round. Without
+    (inductor on CPUs), passes keep their eager shapes and the compiler marks the changing lengths dynamic after
+    the first change, so one compilation serves every length."""
+
+    function: Callable
+    fixed_shapes: bool
+
+    def __call__(self, **kwargs):
+        return self.function(**kwargs)
+
+
+def compiled_forward(model) -> CompiledForward:
+    """`model.forward` compiled: CUDA graphs with fixed shapes on CUDA, inductor with dynamic lengths elsewhere."""
+    if model.device.type == "cuda":
+        return CompiledForward(torch.compile(model.forward, mode="reduce-overhead", dynamic=False), True)
+    return CompiledForward(torch.compile(model.forward), False)
+
+
+def fixed_shapes(forward) -> bool:
+    """Whether passes through `forward` (None: eager) must keep one shape."""
+    return getattr(forward, "fixed_shapes", False)
 
 
 def prefill(model, cache: StaticKVCache, slot: int, tokens: list[int]) -> None:
@@ -134,7 +155,7 @@ def block_pass(drafter, cache: StaticKVCache, contexts: list[list[int]], committ
     """Draft the `B - 1` tokens after every row's anchor in one pass: raw logits `(rows, B - 1, vocab)` float32. On
     return each row's cache holds its whole prefix before the anchor (commit `len(context) - 1`)."""
     block_size = drafter.config.block_size
-    layout = block_layout_for_rows(contexts, committed, block_size, drafter.config.mask_token_id, forward is not None)
+    layout = block_layout_for_rows(contexts, committed, block_size, drafter.config.mask_token_id, fixed_shapes(forward))
     return run_pass(drafter, cache, layout, block_size - 1, forward=forward)
 
 
@@ -211,12 +232,12 @@ def successor_pass(drafter, cache: StaticKVCache, contexts: list[list[int]], com
     On return each row's cache holds its context and drafts (commit as far as verification accepts)."""
     block_size = drafter.config.block_size
     layout, blocks = successor_layout(contexts, committed, drafts, anchors, block_size, drafter.config.mask_token_id,
-                                      forward is not None)
+                                      fixed_shapes(forward))
     logits = run_pass(drafter, cache, layout, blocks * block_size, forward=forward)
     return logits.reshape(len(contexts), blocks, block_size, -1)[:, :, 1:]
 
 
 __all__ = [
-    "PassLayout", "block_layout_for_rows", "compiled_forward", "block_pass", "choose", "context_free", "plan_alternatives",
+    "CompiledForward", "PassLayout", "block_layout_for_rows", "compiled_forward", "fixed_shapes", "block_pass", "choose", "context_free", "plan_alternatives",
     "prefill", "process", "run_pass", "successor_layout", "successor_pass",
 ]

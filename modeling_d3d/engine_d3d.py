@@ -184,8 +184,8 @@ class SpeculativeEngine:
     target: a causal LM; source: a drafter source (`sources_d3d.BlockSource`, `SuccessorSource`) or None (the target
     alone, one token a round); max_rows: cache slots; max_length: the longest prompt + new tokens a row may reach
     (caches are sized for it); compile: `torch.compile` the target's verify pass ("reduce-overhead" on CUDA, i.e.
-    CUDA graphs; inductor on CPUs; one compilation per batch size; give the source a compiled forward too, see
-    `generation_d3d.make_source`). Not thread-safe: one caller drives it (`serving_d3d.D3DBatchServer` for many).
+    CUDA graphs, with fixed shapes; inductor with dynamic lengths on CPUs; give the source a compiled forward too,
+    see `generation_d3d.make_source`). Not thread-safe: one caller drives it (`serving_d3d.D3DBatchServer` for many).
     """
 
     def __init__(self, target, source=None, max_rows: int = 1, max_length: int = 2048, compile: bool = False,

@@ -126,7 +126,7 @@ def speculative_generate(
     drafter: a `D3DForBlockDiffusion` (None: the target alone through the engine). asynchronous: successor drafting
     on a worker thread (`coverage`, `fanout`, `drafter_device`, `worker_threads`). drafter_input_ids: `(1, L)` the
     prompt the drafter reads when the target reads a reduced one (selective prefill; batch of one). compile:
-    compiled verify and drafting passes (fixed shapes; the first call compiles). round_record: a `RoundRecord` to
+    compiled verify and drafting passes (`drafting_d3d.compiled_forward`; the first calls compile). round_record: a `RoundRecord` to
     fill (also left in `drafter.generation_stats`). streamer: as generate passes it (it has put the prompt already);
     d3d_streamer: the same from a front door (`front_door_kwargs`: generate drops `streamer=` before calling a
     callable), which gets the prompt here.
@@ -151,7 +151,8 @@ def speculative_generate(
     longest_prompt = max([len(p) for p in prompts] + [len(drafter_prompt or [])])
     source = make_source(drafter, asynchronous, coverage, fanout, drafter_device, worker_threads, compile)
     max_length = longest_prompt + max_new_tokens
-    if compile:  # compiled passes attend over the whole cache: bucket its size so most calls reuse a compilation
+    if compile and model.device.type == "cuda":  # fixed shapes attend over the whole cache: bucket its size so most
+        # calls reuse a compilation
         max_length = -(-max_length // COMPILE_LENGTH_BUCKET) * COMPILE_LENGTH_BUCKET
     engine = SpeculativeEngine(model, source, max_rows=batch, max_length=max_length, compile=compile)
     if round_record is not None:

@@ -301,3 +301,19 @@ def test_a_streamer_through_the_front_doors_gets_the_prompt_then_each_round(path
     assert streamer.ended and streamer.chunks[0] == prompt[0].tolist()
     assert [len(chunk) for chunk in streamer.chunks[1:]] == [len(o.added) for r, _ in record.history for o in r]
     assert sum(streamer.chunks[1:], []) == out[0, prompt.shape[1] :].tolist()
+
+
+def test_compiled_passes_are_token_identical_to_the_targets_own_generate(setup):
+    """`compile=True` (inductor on a CPU): the compiled verify and drafting passes, over prompts of several lengths
+    (so the compiled lengths change), give the target's own greedy output."""
+    models, cases, references = setup
+    target, drafter = models[0]
+    compared = 0
+    for (index, ids, max_new, eos), reference in zip(cases, references):
+        if index != 0 or max_new < 7 or ids.shape[1] > 100:
+            continue
+        out = target.generate(ids, max_new_tokens=max_new, do_sample=False, custom_generate=speculative_generate,
+                              drafter=drafter, compile=True, **eos_kwargs(eos))
+        assert torch.equal(out, reference), ids.shape
+        compared += 1
+    assert compared >= 5
