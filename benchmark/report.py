@@ -81,7 +81,8 @@ def markdown(results: dict) -> str:
         "verify + exposed draft + overhead (host work, prefill, `generate` setup), from the engine's round record "
         "(other methods: the total only, rounds counted by a streamer). Ideal sync τ·t_T(1)/(t_T(B) + t_D(B)), ideal "
         f"async τ·t_T(1)/t_T(B), with the engine's passes over a {results.get('pass_prefix_length', 256)}-token "
-        "prefix:", *_passes(results), "",
+        "prefix (reached: the speedup over the target alone through the engine in the same mode, over the bound):",
+        *_passes(results), "",
         f"Measured on: {results.get('hardware', 'hardware not recorded')}; dtype: {results.get('dtype', 'not recorded')}.",
     ]
     return "\n".join(lines) + "\n"
