@@ -70,3 +70,22 @@ def test_code_files_import_only_torch_transformers_and_each_other():
             if len(words) >= 2 and words[0] in ("import", "from") and not line.startswith(" "):
                 module = words[1]
                 assert module.startswith(".") or module.split(".")[0] in allowed, f"{path.name}: {line}"
+
+
+def test_the_decoding_modules_import_each_other_without_a_cycle():
+    """`modeling_d3d/`'s relative imports form a graph without cycles, and the network (the model) imports no
+    decoding module: arrows point down."""
+    import re
+    from pathlib import Path
+
+    folder = Path(__file__).parent.parent / "modeling_d3d"
+    graph = {path.stem: set(re.findall(r"^from \.(\w+) import", path.read_text(), re.M)) for path in folder.glob("*.py")}
+    assert graph["network_d3d"] <= {"configuration_d3d", "masking_d3d"}
+
+    def visit(module: str, path: tuple[str, ...]) -> None:
+        assert module not in path, " -> ".join(path + (module,))
+        for imported in graph.get(module, ()):
+            visit(imported, path + (module,))
+
+    for module in graph:
+        visit(module, ())
