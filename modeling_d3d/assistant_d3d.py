@@ -71,6 +71,11 @@ class D3DAssistant:
         """One round of transformers' assisted loop: drafts for the verified prefix `(1, L)`."""
         if generation_config is None or not getattr(generation_config, "is_assistant", False):
             raise ValueError("This D3D assistant drafts for target.generate(..., assistant_model=...) only")
+        if getattr(generation_config, "stop_strings", None):
+            raise ValueError("stop_strings with assistant_model=: transformers' assisted loop checks them once per round "
+                             "and can stop up to B - 1 tokens after the target alone; decode through the engine "
+                             "instead (drafter.generate_batch(target, ids, stop_strings=..., tokenizer=...)), which "
+                             "stops exactly")
         context = input_ids[0].tolist()
         session = kwargs.get("past_key_values")
         if session is None or session is not self._session:

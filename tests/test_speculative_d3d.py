@@ -207,3 +207,23 @@ def test_trained_drafter_generation_config_is_set_for_assisted_generation():
     assert drafter.generation_config.num_assistant_tokens == 8
     assert drafter.generation_config.num_assistant_tokens_schedule == "constant"
     assert drafter.generation_config.assistant_confidence_threshold == 0.0
+
+
+def test_stop_strings_through_transformers_assisted_loop_are_refused_not_overshot():
+    """transformers' assisted loop checks stop strings once per round, after accepting a whole block: rather than
+    return tokens the target alone would not, both `assistant_model=` adapters refuse them and name the engine,
+    which stops where the target alone stops."""
+    tokenizer = word_tokenizer(num_words=10, words=("abcdef",))
+    target = tiny_target(0, vocab_size=12)
+    drafter = D3DForBlockDiffusion.from_backbone(tiny_target(0, vocab_size=12), block_size=4).eval()
+    always_predicts(target, 7)
+    always_predicts(drafter, 7)
+    ids = torch.tensor([[1, 2, 3]])
+    stop = dict(max_new_tokens=8, do_sample=False, stop_strings=["w7"], tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="generate_batch"):
+        target.generate(ids, assistant_model=drafter, **stop)
+    with drafter.async_generator(coverage=2, fanout=1) as generator, pytest.raises(ValueError, match="generate_batch"):
+        target.generate(ids, assistant_model=generator, **stop)
+    reference = target.generate(ids, **stop)
+    assert reference.shape[1] == 4  # the target alone stops after its first token
+    assert torch.equal(drafter.generate_batch(target, ids, **stop), reference)
