@@ -30,7 +30,7 @@ def rejection_sample(drafts: torch.Tensor, num_drafts: torch.Tensor, draft_logit
     q_draft = q[:, :m].gather(-1, drafts[..., None])[..., 0]
     draws = torch.stack([torch.rand(m, generator=g, device=device) for g in generators])
     real = torch.arange(m, device=device) < num_drafts[:, None]
-    accepted = ((draws * q_draft <= p_draft) & real).long().cumprod(1).sum(1)
+    accepted = ((draws * q_draft < p_draft) & real).long().cumprod(1).sum(1)  # u < p/q: never a token p excludes
     at = accepted[:, None, None].expand(-1, 1, p.shape[-1])
     p_at, q_at = p.gather(1, at)[:, 0], q.gather(1, at)[:, 0]
     residual = (p_at - q_at).clamp(min=0)

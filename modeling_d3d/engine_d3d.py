@@ -68,6 +68,11 @@ class Row:
         return self.prompt + self.generated
 
     @property
+    def last_token(self) -> int:
+        """The anchor of the next round: the newest token."""
+        return self.generated[-1] if self.generated else self.prompt[-1]
+
+    @property
     def drafter_context(self) -> list[int]:
         return self.drafter_prompt + self.generated
 
@@ -307,7 +312,7 @@ class SpeculativeEngine:
         columns, committed as far as accepted."""
         rows = len(self.rows)
         layout = PassLayout.empty(rows, self.width, 0)
-        anchors = torch.tensor([row.tokens[-1] for row in self.rows], dtype=torch.long)
+        anchors = torch.tensor([row.last_token for row in self.rows], dtype=torch.long)
         for r, row in enumerate(self.rows):
             layout.put_causal(r, 0, [0] * self.width, row.target_committed)
         layout.ids[:, 0] = anchors
@@ -371,16 +376,14 @@ class SpeculativeEngine:
         and whether the row ends."""
         settings = row.settings
         added = added[: settings.max_new_tokens - len(row.generated)]
-        for index, token in enumerate(added):
+        tokens = torch.tensor([row.tokens + added], device=logits.device) if settings.stopping_criteria else None
+        start = len(row.tokens)
+        for index, token in enumerate(added):  # the first stop wins, EOS or criterion, as in generate's own loop
             if token in settings.eos_token_ids:
-                added = added[: index + 1]
-                return added, True
-        if settings.stopping_criteria:
-            tokens = torch.tensor([row.tokens + added], device=logits.device)
-            start = len(row.tokens)
-            for index in range(len(added)):
-                if bool(settings.stopping_criteria(tokens[:, : start + index + 1], logits[index : index + 1]).any()):
-                    return added[: index + 1], True
+                return added[: index + 1], True
+            if tokens is not None and bool(
+                    settings.stopping_criteria(tokens[:, : start + index + 1], logits[index : index + 1]).any()):
+                return added[: index + 1], True
         return added, len(row.generated) + len(added) >= settings.max_new_tokens
 
     def reset(self) -> None:

@@ -194,6 +194,11 @@ class D3DBatchServer:
             config.do_sample = do_sample
         config.validate()
         check_generation_settings(config)
+        if eos_token_id is not None:
+            config.eos_token_id = eos_token_id
+        # processors that need the EOS id (min_new_tokens, ...) read the prepared tensor, as generate prepares it
+        eos = sorted(eos_ids(config))
+        config._eos_token_tensor = torch.tensor(eos, device=self.target.device) if eos else None
         processors = self.target._get_logits_processor(
             generation_config=config,
             input_ids_seq_length=len(prompt),
@@ -203,12 +208,9 @@ class D3DBatchServer:
         )
         if config.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need the tokenizer: D3DBatchServer(..., tokenizer=tokenizer)")
-        config._eos_token_tensor = None  # EOS is the engine's own (`eos_token_ids`)
-        criteria = self.target._get_stopping_criteria(
+        criteria = self.target._get_stopping_criteria(  # its EOS and length criteria are the engine's own
             generation_config=config, stopping_criteria=StoppingCriteriaList(stopping_criteria or []),
             tokenizer=self.tokenizer)
-        if eos_token_id is not None:
-            config.eos_token_id = eos_token_id
         seed = seed if seed is not None else int(torch.randint(2**62, (1,)))
         settings = RowSettings(max_new_tokens, bool(config.do_sample), eos_ids(config), processors, criteria, seed)
         self._decoder.check_request(prompt, settings)

@@ -21,7 +21,7 @@ import torch
 from transformers import LogitsProcessorList
 
 from .caches_d3d import StaticKVCache
-from .drafting_d3d import block_pass, choose, plan_alternatives, prefill, process, successor_pass
+from .drafting_d3d import block_pass, choose, context_free, plan_alternatives, prefill, process, successor_pass
 
 DEFAULT_COVERAGE = 12
 DEFAULT_FANOUT = 2
@@ -302,8 +302,11 @@ class SuccessorSource(BlockSource):
                       keys: dict, raw: torch.Tensor, row_sampling: RowSampling) -> PreparedBranches:
         """One row's branches from its logits `raw` `(K, B - 1, vocab)` of the successor pass."""
         blocks = len(anchors)
-        prefixes = [context + draft_list[:j] + [token] for token, j in anchors[:-1]]
-        prefixes.append(context + draft_list)
+        processors = row_sampling.logits_processor
+        if processors and not context_free(processors):  # each block's processors read its own prefix
+            prefixes = [context + draft_list[:j] + [token] for token, j in anchors[:-1]] + [context + draft_list]
+        else:
+            prefixes = [None] * blocks
         processed = torch.stack([process(row_sampling.logits_processor, prefix, raw[k]) for k, prefix in enumerate(prefixes)])
         tokens = torch.stack([choose(block, row_sampling.do_sample, row_sampling.generator) for block in processed])
         keys.setdefault(tuple(draft_list) + (int(tokens[-1, 0]),), blocks - 1)

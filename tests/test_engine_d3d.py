@@ -555,3 +555,22 @@ def test_each_rounds_timing_fits_inside_the_step_that_ran_it(kind):
     decoder.close()
     assert decoder.record.new_tokens == sum(len(tokens) for tokens in outputs.values()) == 45
     check_record(decoder.record, 4)
+
+
+def test_a_criterion_that_fires_before_an_eos_in_the_same_round_stops_there():
+    """One round's accepted tokens hold, in this order, the token after which a stopping criterion fires and an
+    EOS: the row stops at the first of the two, as `generate`'s token-by-token loop does (and the other way round)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    from modeling_d3d.engine_d3d import Row
+
+    class StopAfter(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return input_ids[:, -1] == 6
+
+    settings = RowSettings(20, eos_token_ids=frozenset({8}), stopping_criteria=StoppingCriteriaList([StopAfter()]))
+    row = Row(0, [1, 2, 3], [1, 2, 3], settings, RowSampling(), torch.Generator())
+    logits = torch.zeros(5, 12)
+    assert SpeculativeEngine._stop(row, [5, 6, 7, 8, 9], logits) == ([5, 6], True)
+    assert SpeculativeEngine._stop(row, [5, 8, 6, 9], logits) == ([5, 8], True)
+    assert SpeculativeEngine._stop(row, [5, 7, 9], logits) == ([5, 7, 9], False)

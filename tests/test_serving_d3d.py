@@ -220,3 +220,17 @@ def test_stop_strings_need_the_tokenizer_and_beam_search_is_refused_at_submissio
         with pytest.raises(ValueError, match="beam"):
             server.submit([1, 2], max_new_tokens=4, num_beams=3)
         assert server.stats.rounds == 0 and not server._queues.waiting
+
+
+def test_a_requests_own_eos_reaches_the_processors_that_need_it(models):
+    """`min_new_tokens` with a request's `eos_token_id`: the EOS is suppressed for those tokens, as `generate`
+    suppresses it (the processors are built after the request's EOS is set)."""
+    target, drafter = models
+    requests = prompts(6, seed=9)
+    eos = alone(target, requests[0], 1)[0]  # the first row would end at once without min_new_tokens
+    settings = dict(max_new_tokens=10, eos_token_id=eos, min_new_tokens=4)
+    with D3DBatchServer(target, drafter, max_batch_size=3) as server:
+        results = submitted_together(server, requests, **settings)
+    for prompt, result in zip(requests, results):
+        out = target.generate(torch.tensor([prompt]), do_sample=False, pad_token_id=eos, **settings)
+        assert result == out[0, len(prompt):].tolist()[: len(result)] and len(result) >= 4
