@@ -8,6 +8,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers.generation.streamers import BaseStreamer
 
 from modeling_d3d import D3DForBlockDiffusion
 
@@ -46,6 +47,30 @@ def word_tokenizer(num_words: int = 90, words: tuple[str, ...] = ()) -> PreTrain
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>")
+
+
+def left_pad(prompts: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(L_i,)` prompts -> left-padded ids and attention mask `(n, max L_i)`, as for `target.generate`."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, prompt in enumerate(prompts):
+        ids[i, width - len(prompt) :], mask[i, width - len(prompt) :] = prompt, 1
+    return ids, mask
+
+
+class RecordingStreamer(BaseStreamer):
+    """Keeps every chunk a streamer receives, and whether it was ended."""
+
+    def __init__(self):
+        self.chunks: list[list[int]] = []
+        self.ended = False
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended = True
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from conftest import always_predicts, run_without_project, tiny_target
+from conftest import always_predicts, left_pad, run_without_project, tiny_target
 from distribution import NEW_TOKENS, PROMPT, SAMPLES, VOCAB, chi_square_p_value, exact_distribution, processors
 from modeling_d3d import BlockSource, D3DForBlockDiffusion, RoundRecord, RowSettings, SpeculativeEngine, SuccessorSource
 from modeling_d3d.acceptance_d3d import rejection_sample
@@ -37,14 +37,6 @@ def pair(seed: int, block_size: int, vocab_size: int, **kwargs):
     drafter = D3DForBlockDiffusion.from_backbone(tiny_target(seed, vocab_size=vocab_size), block_size=block_size)
     return target, drafter.eval()
 
-
-def left_pad(prompts: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, prompt in enumerate(prompts):
-        ids[i, width - len(prompt) :], mask[i, width - len(prompt) :] = prompt, 1
-    return ids, mask
 
 
 def alone(target, prompt: list[int] | torch.Tensor, max_new_tokens: int, **kwargs) -> list[int]:

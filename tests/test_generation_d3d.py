@@ -8,9 +8,8 @@ import itertools
 import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList, StopStringCriteria
-from transformers.generation.streamers import BaseStreamer
 
-from conftest import always_predicts, tiny_target, word_tokenizer
+from conftest import RecordingStreamer, always_predicts, left_pad, tiny_target, word_tokenizer
 from modeling_d3d import D3DAssistedGenerator, D3DForBlockDiffusion, RoundRecord, speculative_generate
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -103,14 +102,6 @@ def test_greedy_output_is_token_identical_to_the_targets_own_generate(setup, pat
     if path != "target-alone":
         assert 1 in accepted and max(accepted) >= 3  # rejections and multi-token acceptances both happened
 
-
-def left_pad(prompts: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, prompt in enumerate(prompts):
-        ids[i, width - len(prompt) :], mask[i, width - len(prompt) :] = prompt, 1
-    return ids, mask
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])
@@ -271,17 +262,6 @@ def test_beam_search_and_several_sequences_per_prompt_are_refused(settings):
         with pytest.raises(ValueError, match="D3D speculative decoding"):
             target.generate(ids, max_new_tokens=4, custom_generate=speculative_generate, **source, **settings)
 
-
-class RecordingStreamer(BaseStreamer):
-    def __init__(self):
-        self.chunks: list[list[int]] = []
-        self.ended = False
-
-    def put(self, value):
-        self.chunks.append(value.reshape(-1).tolist())
-
-    def end(self):
-        self.ended = True
 
 
 @pytest.mark.parametrize("path", ["sync", "async", "selective-prefill"])

@@ -5,9 +5,8 @@ import itertools
 
 import pytest
 import torch
-from transformers.generation.streamers import BaseStreamer
 
-from conftest import always_predicts, tiny_target, word_tokenizer
+from conftest import RecordingStreamer, always_predicts, tiny_target, word_tokenizer
 from modeling_d3d import D3DForBlockDiffusion
 
 
@@ -107,17 +106,6 @@ def test_statistics_before_settle_cover_the_rounds_already_decided():
     assert stats.rounds == 2 and added_per_round(stats) == [4, 4]
     assert drafter.settle(speculative) is stats and stats.rounds == 3 and stats.new_tokens == 12
 
-
-class RecordingStreamer(BaseStreamer):
-    def __init__(self):
-        self.chunks: list[list[int]] = []
-        self.ended = False
-
-    def put(self, value):
-        self.chunks.append(value.reshape(-1).tolist())
-
-    def end(self):
-        self.ended = True
 
 
 def test_streamer_receives_each_round_as_it_completes():
