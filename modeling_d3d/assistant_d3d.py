@@ -103,8 +103,6 @@ class D3DAssistant:
 
     def _start(self, context: list[int], logits_processor, do_sample: bool, capacity: int | None = None):
         """A new session (a new `generate` call, or a longer one than the cache holds): allocate and prefill."""
-        if isinstance(self.source, SuccessorSource):
-            self.source.wait()  # a pass queued for an earlier call
         self._capacity = max(capacity or 0, len(context) + INITIAL_CAPACITY)
         self.source.allocate(1, self._capacity + 1)
         self.source.add(0, context)

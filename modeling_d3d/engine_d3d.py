@@ -163,11 +163,6 @@ class RoundRecord:
         """`counts[n - 1]` = row rounds that added `n` tokens, `n = 1..block_size`."""
         return [self.accepted.get(n, 0) for n in range(1, block_size + 1)]
 
-    def per_round(self, name: str) -> float:
-        """Milliseconds per round of `verify`, `exposed_draft`, `hidden_draft`, `host` or `total`."""
-        total = {"total": self.seconds}.get(name, getattr(self, f"{name}_seconds", None))
-        return 1000 * total / self.rounds if self.rounds else float("nan")
-
 
 def check_target(target) -> None:
     """Raise `ValueError` unless the engine can run `target`: decoder-only, full attention in every layer, sdpa or
@@ -284,9 +279,9 @@ class SpeculativeEngine:
             return []
         start = time.perf_counter()
         proposal = None
+        contexts = [row.drafter_context for row in self.rows] if self.source is not None else []  # before the round
         if self.source is not None:
-            proposal = self.source.propose([row.drafter_context for row in self.rows],
-                                           [row.sampling for row in self.rows])
+            proposal = self.source.propose(contexts, [row.sampling for row in self.rows])
         verify_start = time.perf_counter()
         logits = self._verify(proposal)
         synchronize(self.device)
@@ -294,13 +289,8 @@ class SpeculativeEngine:
         outcomes, accepted_drafts = self._accept(proposal, logits)
         waited, hidden = 0.0, 0.0
         if self.source is not None:
-            contexts = [row.drafter_context[: len(row.drafter_context) - len(o.added)] for row, o in zip(self.rows, outcomes)]
             waited, hidden = self.source.observe(contexts, accepted_drafts)
-        survivors = []
-        for i, (row, outcome) in enumerate(zip(self.rows, outcomes)):
-            if not outcome.finished:
-                survivors.append(i)
-        self._keep(survivors)
+        self._keep([i for i, outcome in enumerate(outcomes) if not outcome.finished])
         exposed = (proposal.exposed_seconds if proposal is not None else 0.0) + waited
         total = time.perf_counter() - start
         timing = RoundTiming(verify_seconds, exposed, hidden, max(total - verify_seconds - exposed, 0.0))
@@ -324,7 +314,7 @@ class SpeculativeEngine:
     def _accept(self, proposal, logits: torch.Tensor) -> tuple[list[RoundOutcome], list[int]]:
         """Process the target's logits per row, accept (greedy or rejection sampling, batched), read the result
         once, then cut every row at its stop. Returns the outcomes and each row's accepted drafts."""
-        rows, m = len(self.rows), self.width - 1
+        rows = len(self.rows)
         failed: dict[int, Exception] = dict(proposal.errors) if proposal is not None else {}
         if proposal is not None:
             drafts, num_drafts = proposal.drafts.to(self.device), proposal.num_drafts.to(self.device)
@@ -388,7 +378,7 @@ class SpeculativeEngine:
 
     def reset(self) -> None:
         """Drop every row (after a failed batched pass, whose cache writes cannot be trusted); the caches stay."""
-        if self.source is not None and hasattr(self.source, "wait"):
+        if self.source is not None:
             try:
                 self.source.wait()
             except Exception:  # the failed round's worker pass: its branches are dropped with the rows

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel, Qwen3Config
+from transformers import AutoConfig, PreTrainedModel, Qwen3Config
 from transformers.cache_utils import DynamicCache
 from transformers.generation import GenerationMixin, LogitsProcessorList
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -230,7 +230,7 @@ class D3DBlockDiffusionModel(D3DPreTrainedModel, GenerationMixin):
         mask_token_id: int | None = None,
         tokenizer=None,
         **from_pretrained_kwargs,
-    ) -> "D3DForBlockDiffusion":
+    ) -> "D3DBlockDiffusionModel":
         """Initialise a drafter from a Qwen3 causal LM (a loaded model or a checkpoint path / Hub id), weights copied
         exactly. `from_pretrained_kwargs` (`dtype`, `device_map`, ...) apply when loading from a path.
 

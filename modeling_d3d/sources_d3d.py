@@ -5,7 +5,7 @@ A source owns the drafter, its `StaticKVCache` and per-slot state; the engine ow
 - `allocate(slots, capacity)`, `add(slot, context)` (prefill), `move(source, destination)` (a row changing slot);
 - `propose(contexts, sampling) -> Proposal`: drafts for every row (the context ends with the anchor);
 - `observe(contexts, accepted)`: how many of each row's drafts verification kept (the contexts before the round);
-- `close()`.
+- `wait()` (let background drafting end), `close()`.
 
 `BlockSource` drafts one block per round, synchronously. `SuccessorSource` also prepares, on a worker thread while the
 target verifies, the next block for each likely outcome (one packed pass), and serves the next round from it when
@@ -57,7 +57,6 @@ class Proposal:
     looked_up: list[bool]
     hits: list[bool]
     exposed_seconds: float = 0.0
-    hidden_seconds: float = 0.0
     errors: dict[int, Exception] = field(default_factory=dict)
 
 
@@ -144,6 +143,9 @@ class BlockSource:
         """Nothing to do: the cache holds each row's tokens before its old anchor, a prefix of its new context.
         Returns the drafting seconds the target waited for here and those hidden behind verification (none)."""
         return 0.0, 0.0
+
+    def wait(self) -> None:
+        """Nothing runs in the background."""
 
     def close(self) -> None:
         """Nothing to release."""
@@ -234,7 +236,7 @@ class SuccessorSource(BlockSource):
             logits = torch.zeros(rows, width, self.drafter.config.vocab_size, device=drafts.device) if sampled else None
         else:
             drafts, processed = self._draft_all(contexts, sampling, errors)
-            ranked = processed.topk(min(self.fanout + 1, processed.shape[-1]), dim=-1).indices
+            ranked = self._ranked(processed)
             logits = processed if sampled else None
         counts = [width] * rows
         for r, index in enumerate(found):
@@ -253,6 +255,11 @@ class SuccessorSource(BlockSource):
         self._pending = self._executor.submit(self._prepare, contexts, drafts, num_drafts, ranked, logits, sampling)
         return Proposal(drafts, num_drafts, logits, looked_up, [index is not None for index in found], exposed,
                         errors=errors)
+
+    def _ranked(self, logits: torch.Tensor) -> torch.Tensor:
+        """`(..., F + 1)` the drafter's most probable tokens per position of processed `logits` `(..., vocab)`, the
+        candidates `plan_alternatives` picks the next branches' anchors from."""
+        return logits.topk(min(self.fanout + 1, logits.shape[-1]), dim=-1).indices
 
     def _lookup(self, row: int, context: list[int]) -> int | None:
         branch = self.branches[row]
@@ -275,7 +282,7 @@ class SuccessorSource(BlockSource):
 
     @torch.no_grad()
     def _branches_for(self, contexts, drafts, num_drafts, ranked, sampling) -> list[PreparedBranches]:
-        rows, block_size = len(contexts), self.block_size
+        rows = len(contexts)
         alternatives = plan_alternatives(drafts, ranked, self.coverage, self.fanout).tolist()
         draft_lists = [d[:n] for d, n in zip(drafts.tolist(), num_drafts.tolist())]
         anchors, keys = [], []
@@ -307,12 +314,12 @@ class SuccessorSource(BlockSource):
             prefixes = [context + draft_list[:j] + [token] for token, j in anchors[:-1]] + [context + draft_list]
         else:
             prefixes = [None] * blocks
-        processed = torch.stack([process(row_sampling.logits_processor, prefix, raw[k]) for k, prefix in enumerate(prefixes)])
+        processed = torch.stack([process(processors, prefix, raw[k]) for k, prefix in enumerate(prefixes)])
         tokens = torch.stack([choose(block, row_sampling.do_sample, row_sampling.generator) for block in processed])
         keys.setdefault(tuple(draft_list) + (int(tokens[-1, 0]),), blocks - 1)
         tokens[-1] = torch.cat([tokens[-1, 1:], tokens.new_zeros(1)])  # full acceptance: after the guess
         processed[-1] = torch.cat([processed[-1, 1:], processed.new_zeros(1, processed.shape[-1])])
-        ranked_tokens = processed.topk(min(self.fanout + 1, processed.shape[-1]), dim=-1).indices
+        ranked_tokens = self._ranked(processed)
         counts = [self.block_size - 1] * (blocks - 1) + [self.block_size - 2]
         return PreparedBranches(len(context), keys, tokens, counts, ranked_tokens,
                                 processed if row_sampling.do_sample else None)
