@@ -25,6 +25,17 @@ def test_every_artifact_is_written(output):
         assert (output / name).exists(), name
 
 
+def test_the_drafter_starts_from_the_ar_assistant_and_is_pruned_with_recovery(output):
+    drafter, assistant, target = (json.loads((output / name / "config.json").read_text())
+                                  for name in ("drafter-trained", "assistant", "target"))
+    assert drafter["hidden_size"] == assistant["hidden_size"] != target["hidden_size"]
+    assert drafter["num_hidden_layers"] == assistant["num_hidden_layers"]
+    provenance = json.loads((output / "drafter-trained" / "d3d_training.json").read_text())
+    assert provenance["base_model"].endswith("assistant")
+    stages = json.loads((output / "pruning" / "pruning.json").read_text())["stages"]
+    assert [stage["depth"] for stage in stages] == [assistant["num_hidden_layers"], assistant["num_hidden_layers"] - 1]
+
+
 def test_the_chosen_dtype_is_recorded_in_the_artifacts(output):
     chosen = choose_dtype().description
     assert json.loads((output / "sizes.json").read_text())["dtype"] == chosen
