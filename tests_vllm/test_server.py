@@ -1,0 +1,64 @@
+"""A real vLLM OpenAI-compatible server on 127.0.0.1, called with the `openai` client: greedy completions with the
+D3D drafter (started by `d3d serve`) are identical to vLLM without speculation; vLLM's acceptance counters give τ;
+a drafter with another vocabulary is refused at start."""
+
+import subprocess
+
+import openai
+import pytest
+
+from conftest import PYTHON, REPO, free_port, main_python, running, spec_metrics, vllm_env
+
+# Both servers: no prefix caching (exactness is checked on computed tokens), eager mode, a short context.
+VLLM_FLAGS = ["--no-enable-prefix-caching", "--enforce-eager", "--max-model-len", "256", "--seed", "0"]
+MAX_TOKENS = 32
+SERVER = "vllm.entrypoints.openai.api_server"  # what `d3d serve` starts
+
+
+def completions(base_url: str, prompts: list[list[int]]) -> list[str]:
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused")
+    texts = []
+    for prompt in prompts:
+        response = client.completions.create(model=client.models.list().data[0].id, prompt=prompt,
+                                             max_tokens=MAX_TOKENS, temperature=0.0)
+        texts.append(response.choices[0].text)
+    return texts
+
+
+@pytest.fixture(scope="module")
+def plain(models, prompts, tmp_path_factory) -> list[str]:
+    """vLLM alone: the reference completions."""
+    port = free_port()
+    command = [PYTHON, "-m", SERVER, "--model", str(models / "target"), "--port", str(port),
+               "--dtype", "float32", *VLLM_FLAGS]
+    with running(command, port, tmp_path_factory.mktemp("plain") / "server.log") as base_url:
+        return completions(base_url, prompts)
+
+
+def test_d3d_server_is_lossless_and_reports_acceptance(models, prompts, plain, tmp_path):
+    port = free_port()
+    command = [main_python(), "-m", "cli.main", "serve", "--target", str(models / "target"),
+               "--drafter", str(models / "drafter"), "--num-speculative-tokens", "5", "--port", str(port),
+               "--dtype", "float32", "--vllm-python", PYTHON, "--", *VLLM_FLAGS]
+    log = tmp_path / "server.log"
+    with running(command, port, log) as base_url:
+        texts = completions(base_url, prompts)
+        counters = spec_metrics(base_url)
+    assert f"http://127.0.0.1:{port}/v1" in log.read_text()
+    assert len(prompts) >= 20 and all(text for text in plain)
+    assert texts == plain
+    drafts = counters["vllm:spec_decode_num_drafts_total"]
+    accepted = counters["vllm:spec_decode_num_accepted_tokens_total"]
+    assert drafts > 0 and accepted > 0
+    print(f"\nD3D in vLLM on the tiny models: {int(drafts)} rounds, {int(accepted)} drafts accepted, "
+          f"tau = {1 + accepted / drafts:.2f} tokens per target pass")
+
+
+def test_mismatched_vocabulary_is_refused_at_start(models):
+    spec = ('{"method": "draft_model", "parallel_drafting": true, "num_speculative_tokens": 5, '
+            f'"model": "{models / "wrong_vocab_drafter"}"}}')
+    command = [PYTHON, "-m", SERVER, "--model", str(models / "target"), "--port",
+               str(free_port()), "--speculative-config", spec, *VLLM_FLAGS]
+    result = subprocess.run(command, capture_output=True, text=True, env=vllm_env(), cwd=REPO, timeout=300)
+    assert result.returncode != 0
+    assert "Target and draft model should have the same vocabulary size" in result.stdout + result.stderr
