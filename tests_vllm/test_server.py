@@ -1,8 +1,10 @@
 """A real vLLM OpenAI-compatible server on 127.0.0.1, called with the `openai` client: greedy completions with the
-D3D drafter (started by `d3d serve`) are identical to vLLM without speculation; vLLM's acceptance counters give τ;
+D3D drafter (started by `d3d serve`), one request at a time and 8 in flight, are identical to vLLM without
+speculation; vLLM's acceptance counters give τ;
 a drafter with another vocabulary is refused at start."""
 
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -15,14 +17,17 @@ MAX_TOKENS = 32
 SERVER = "vllm.entrypoints.openai.api_server"  # what `d3d serve` starts
 
 
-def completions(base_url: str, prompts: list[list[int]]) -> list[str]:
+def completions(base_url: str, prompts: list[list[int]], concurrency: int = 1) -> list[str]:
+    """Greedy completions of `prompts`, `concurrency` requests in flight at a time (so vLLM batches them)."""
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused")
-    texts = []
-    for prompt in prompts:
-        response = client.completions.create(model=client.models.list().data[0].id, prompt=prompt,
-                                             max_tokens=MAX_TOKENS, temperature=0.0)
-        texts.append(response.choices[0].text)
-    return texts
+    model = client.models.list().data[0].id
+
+    def complete(prompt: list[int]) -> str:
+        response = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0)
+        return response.choices[0].text
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(complete, prompts))
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +49,11 @@ def test_d3d_server_is_lossless_and_reports_acceptance(models, prompts, plain, t
     with running(command, port, log) as base_url:
         texts = completions(base_url, prompts)
         counters = spec_metrics(base_url)
+        batched = completions(base_url, prompts, concurrency=8)
     assert f"http://127.0.0.1:{port}/v1" in log.read_text()
     assert len(prompts) >= 20 and all(text for text in plain)
     assert texts == plain
+    assert batched == plain
     drafts = counters["vllm:spec_decode_num_drafts_total"]
     accepted = counters["vllm:spec_decode_num_accepted_tokens_total"]
     assert drafts > 0 and accepted > 0

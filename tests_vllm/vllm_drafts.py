@@ -1,6 +1,7 @@
 """Run by the vLLM environment (in-process engine): greedy generation with the D3D drafter, recording each proposal.
 
-`python tests_vllm/vllm_drafts.py MODELS_DIR PROMPTS_JSON OUT_JSON K` writes, per prompt, the generated tokens and
+`python tests_vllm/vllm_drafts.py MODELS_DIR PROMPTS_JSON OUT_JSON K` generates for all prompts in one batch and
+writes, per prompt, the generated tokens and
 every proposal the D3D proposer made for a prefix within them: `{"prefix_length": n, "drafts": [...]}`, where the drafts were proposed for
 the first n tokens of prompt + output (the last of them the anchor).
 """
@@ -16,6 +17,15 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from d3d_vllm.proposer import D3DProposer  # noqa: E402
 
 RECORDED: list[dict] = []
+RUNNERS: list = []  # the model runner that built the proposer: its input batch names each row's request
+
+
+def remember_runner(init):
+    def wrapper(self, vllm_config, device, runner=None):
+        RUNNERS.append(runner)
+        init(self, vllm_config, device, runner)
+
+    return wrapper
 
 
 def record(propose):
@@ -28,27 +38,36 @@ def record(propose):
         drafts = propose(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
                          next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata, *args,
                          **kwargs)
-        for length, row in zip(verified.tolist(), drafts.tolist()):
-            RECORDED.append({"prefix_length": length + 1, "drafts": row})
+        request_ids = RUNNERS[-1].input_batch.req_ids
+        for request_id, length, row in zip(request_ids, verified.tolist(), drafts.tolist()):
+            RECORDED.append({"request_id": request_id, "prefix_length": length + 1, "drafts": row})
         return drafts
 
     return wrapper
 
 
+def same_request(engine_id: str, request_id: str) -> bool:
+    """The engine core's request id is the caller's plus a random suffix."""
+    return engine_id == request_id or engine_id.startswith(f"{request_id}-")
+
+
 def main(models: str, prompts_path: str, out_path: str, num_speculative_tokens: int) -> None:
+    D3DProposer.__init__ = remember_runner(D3DProposer.__init__)
     D3DProposer.propose = record(D3DProposer.propose)
-    llm = LLM(model=f"{models}/target", dtype="float32", max_model_len=256, enforce_eager=True, max_num_seqs=1,
-              enable_prefix_caching=False, seed=0,
+    prompts = json.load(open(prompts_path))
+    llm = LLM(model=f"{models}/target", dtype="float32", max_model_len=256, enforce_eager=True,
+              max_num_seqs=len(prompts), enable_prefix_caching=False, seed=0,
               speculative_config={"method": "draft_model", "model": f"{models}/drafter", "parallel_drafting": True,
                                   "num_speculative_tokens": num_speculative_tokens})
+    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     results = []
-    for prompt in json.load(open(prompts_path)):
-        RECORDED.clear()
-        output = llm.generate([{"prompt_token_ids": prompt}],
-                              SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)[0]
+    for prompt, output in zip(prompts, outputs):
         tokens = list(output.outputs[0].token_ids)
         # The last proposals can be for a prefix max_tokens cut short: only those whose prefix is known are kept.
-        known = [proposal for proposal in RECORDED if proposal["prefix_length"] <= len(prompt) + len(tokens)]
+        known = [{"prefix_length": proposal["prefix_length"], "drafts": proposal["drafts"]} for proposal in RECORDED
+                 if same_request(proposal["request_id"], output.request_id)
+                 and proposal["prefix_length"] <= len(prompt) + len(tokens)]
         results.append({"prompt": prompt, "output": tokens, "proposals": known})
     json.dump(results, open(out_path, "w"))
 
