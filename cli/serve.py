@@ -7,10 +7,10 @@ environment's python, by default the one beside a `vllm` on PATH; the plugin mus
 
 import argparse
 import json
-import shutil
 import subprocess
 from pathlib import Path
 
+from . import vllm_env
 from .errors import UserError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -28,8 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--dtype", choices=DTYPES, default="auto", help="vLLM's --dtype for target and drafter")
     parser.add_argument("--max-model-len", type=int, default=None, help="vLLM's --max-model-len")
-    parser.add_argument("--vllm-python", default=None,
-                        help="python of the vLLM environment (default: the one beside `vllm` on PATH)")
+    vllm_env.add_argument(parser)
     parser.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then extra arguments of vLLM's server (as `vllm serve` takes)")
 
 
@@ -56,30 +55,13 @@ def speculative_config(drafter: str, target_config: dict, num_speculative_tokens
             "parallel_drafting": True}
 
 
-def vllm_python(given: str | None) -> str:
-    """The vLLM environment's python, checked to import the plugin."""
-    if given is None:
-        vllm = shutil.which("vllm")
-        if vllm is None:
-            raise UserError("no `vllm` on PATH: create the vLLM environment (README: Serving with vLLM) or pass "
-                            "--vllm-python")
-        given = str(Path(vllm).parent / "python")
-    if shutil.which(given) is None:
-        raise UserError(f"--vllm-python {given}: not an executable")
-    check = subprocess.run([given, "-c", "import d3d_vllm, vllm"], capture_output=True, text=True)
-    if check.returncode != 0:
-        raise UserError(f"{given} cannot import vllm and the d3d_vllm plugin: pip install ./d3d_vllm into the vLLM "
-                        "environment (README: Serving with vLLM)")
-    return given
-
-
 def serve_command(args: argparse.Namespace) -> list[str]:
     """The vLLM server's command line for `args` (every input checked first)."""
     if not 1 <= args.port <= 65535:
         raise UserError(f"--port must be 1..65535, got {args.port}")
     target_config = read_config(args.target, "target")
     spec = speculative_config(args.drafter, target_config, args.num_speculative_tokens)
-    command = [vllm_python(args.vllm_python), "-m", SERVER, "--model", str(Path(args.target).resolve()),
+    command = [vllm_env.vllm_python(args.vllm_python), "-m", SERVER, "--model", str(Path(args.target).resolve()),
                "--host", args.host, "--port", str(args.port), "--dtype", args.dtype,
                "--speculative-config", json.dumps(spec)]
     if args.max_model_len is not None:
