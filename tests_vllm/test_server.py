@@ -6,19 +6,20 @@ a drafter with another vocabulary is refused at start."""
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
-import openai
 import pytest
 
-from conftest import PYTHON, REPO, free_port, main_python, running, spec_metrics, vllm_env
+from benchmark.vllm_server import SERVER, free_port, spec_counters
+from conftest import PYTHON, REPO, main_python, running, vllm_env
 
 # Both servers: no prefix caching (exactness is checked on computed tokens), eager mode, a short context.
 VLLM_FLAGS = ["--no-enable-prefix-caching", "--enforce-eager", "--max-model-len", "256", "--seed", "0"]
 MAX_TOKENS = 32
-SERVER = "vllm.entrypoints.openai.api_server"  # what `d3d serve` starts
 
 
 def completions(base_url: str, prompts: list[list[int]], concurrency: int = 1) -> list[str]:
     """Greedy completions of `prompts`, `concurrency` requests in flight at a time (so vLLM batches them)."""
+    import openai  # the vLLM environment's (the plugin's `test` extra)
+
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused")
     model = client.models.list().data[0].id
 
@@ -48,14 +49,13 @@ def test_d3d_server_is_lossless_and_reports_acceptance(models, prompts, plain, t
     log = tmp_path / "server.log"
     with running(command, port, log) as base_url:
         texts = completions(base_url, prompts)
-        counters = spec_metrics(base_url)
+        counters = spec_counters(base_url)
         batched = completions(base_url, prompts, concurrency=8)
     assert f"http://127.0.0.1:{port}/v1" in log.read_text()
     assert len(prompts) >= 20 and all(text for text in plain)
     assert texts == plain
     assert batched == plain
-    drafts = counters["vllm:spec_decode_num_drafts_total"]
-    accepted = counters["vllm:spec_decode_num_accepted_tokens_total"]
+    drafts, accepted = counters["num_drafts"], counters["num_accepted_tokens"]
     assert drafts > 0 and accepted > 0
     print(f"\nD3D in vLLM on the tiny models: {int(drafts)} rounds, {int(accepted)} drafts accepted, "
           f"tau = {1 + accepted / drafts:.2f} tokens per target pass")
