@@ -8,6 +8,7 @@ anchor is vLLM's next token), splits every request into two pseudo-requests shar
 verified prefix, causal; the block, non-causal over prefix and block), and reads the drafts at masks 1..K.
 """
 
+import numpy as np
 import torch
 from typing_extensions import override
 
@@ -81,4 +82,8 @@ def block_diffusion_metadata(
         max_seq_len=int(seq_lens_cpu.max()),
         block_table_tensor=cad.block_table_tensor.repeat_interleave(2, dim=0),
         causal=causal,
+        is_prefilling=None if cad.is_prefilling is None else cad.is_prefilling.repeat_interleave(2),
+        req_idx=None if cad.req_idx is None else np.repeat(cad.req_idx, 2),
+        _num_computed_tokens_cache=None,
+        _token_to_req_indices_cache=None,
     )
