@@ -74,4 +74,4 @@ def run(args: argparse.Namespace) -> int:
     spec = json.loads(command[command.index("--speculative-config") + 1])
     print(f"d3d serve: {args.target} with the D3D drafter {args.drafter} ({spec['num_speculative_tokens']} drafts a "
           f"round), OpenAI-compatible API at http://{args.host}:{args.port}/v1", flush=True)
-    return subprocess.run(command).returncode
+    return subprocess.run(command, check=False).returncode

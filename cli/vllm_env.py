@@ -24,7 +24,7 @@ def vllm_python(given: str | None) -> str:
         given = str(Path(vllm).parent / "python")
     if shutil.which(given) is None:
         raise UserError(f"--vllm-python {given}: not an executable")
-    check = subprocess.run([given, "-c", "import d3d_vllm, vllm"], capture_output=True, text=True)
+    check = subprocess.run([given, "-c", "import d3d_vllm, vllm"], capture_output=True, text=True, check=False)
     if check.returncode != 0:
         raise UserError(f"{given} cannot import vllm and the d3d_vllm plugin: pip install ./d3d_vllm into the vLLM "
                         "environment (README: Serving with vLLM)")

@@ -11,7 +11,6 @@ verified prefix, causal; the block, non-causal over prefix and block), and reads
 import numpy as np
 import torch
 from typing_extensions import override
-
 from vllm.config import VllmConfig
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.draft_model import DraftModelProposer

@@ -6,6 +6,7 @@
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -15,7 +16,7 @@ from modeling_d3d import D3DForBlockDiffusion
 def main(drafter_path: str, recorded_path: str, out_path: str) -> None:
     drafter = D3DForBlockDiffusion.from_pretrained(drafter_path, dtype=torch.float32).eval()
     reference = []
-    for result in json.load(open(recorded_path)):
+    for result in json.loads(Path(recorded_path).read_text()):
         sequence = result["prompt"] + result["output"]
         drafts = []
         for proposal in result["proposals"]:
@@ -23,7 +24,7 @@ def main(drafter_path: str, recorded_path: str, out_path: str) -> None:
             tokens = drafter.draft_block(prefix).tokens[0, : len(proposal["drafts"])]
             drafts.append(tokens.tolist())
         reference.append(drafts)
-    json.dump(reference, open(out_path, "w"))
+    Path(out_path).write_text(json.dumps(reference))
 
 
 if __name__ == "__main__":

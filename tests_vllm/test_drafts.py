@@ -3,6 +3,7 @@
 
 import json
 import subprocess
+from itertools import pairwise
 
 from conftest import HERE, PYTHON, run_main, vllm_env, write_json
 
@@ -20,4 +21,4 @@ def test_proposer_drafts_equal_draft_block(models, prompts, tmp_path):
     assert [[proposal["drafts"] for proposal in result["proposals"]] for result in results] == expected
     # Drafts were accepted on the way, so prefixes after partly rejected blocks were drafted for too.
     lengths = [[proposal["prefix_length"] for proposal in result["proposals"]] for result in results]
-    assert any(later - earlier > 1 for row in lengths for earlier, later in zip(row, row[1:]))
+    assert any(later - earlier > 1 for row in lengths for earlier, later in pairwise(row))

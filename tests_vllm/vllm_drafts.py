@@ -1,26 +1,29 @@
 """Run by the vLLM environment (in-process engine): greedy generation with the D3D drafter, recording each proposal.
 
 `python tests_vllm/vllm_drafts.py MODELS_DIR PROMPTS_JSON OUT_JSON K` generates for all prompts in one batch and
-writes, per prompt, the generated tokens and
-every proposal the D3D proposer made for a prefix within them: `{"prefix_length": n, "drafts": [...]}`, where the drafts were proposed for
-the first n tokens of prompt + output (the last of them the anchor).
+writes, per prompt, the generated tokens and every proposal the D3D proposer made for a prefix within them:
+`{"prefix_length": n, "drafts": [...]}`, the K drafts proposed for the first n tokens of prompt + output (the last
+of them the anchor).
 """
 
 import json
 import os
 import sys
+from pathlib import Path
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process, so the proposer can be watched
 
-from vllm import LLM, SamplingParams  # noqa: E402
+from vllm import LLM, SamplingParams
 
-from d3d_vllm.proposer import D3DProposer  # noqa: E402
+from d3d_vllm.proposer import D3DProposer
 
 RECORDED: list[dict] = []
 RUNNERS: list = []  # the model runner that built the proposer: its input batch names each row's request
 
 
 def remember_runner(init):
+    """`D3DProposer.__init__`, keeping the runner it is given."""
+
     def wrapper(self, vllm_config, device, runner=None):
         RUNNERS.append(runner)
         init(self, vllm_config, device, runner)
@@ -29,6 +32,8 @@ def remember_runner(init):
 
 
 def record(propose):
+    """`D3DProposer.propose`, recording each row's drafts with its request and prefix length (verified tokens + 1)."""
+
     def wrapper(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
                 next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata, *args, **kwargs):
         rejected = kwargs.get("num_rejected_tokens_gpu")
@@ -54,7 +59,7 @@ def same_request(engine_id: str, request_id: str) -> bool:
 def main(models: str, prompts_path: str, out_path: str, num_speculative_tokens: int) -> None:
     D3DProposer.__init__ = remember_runner(D3DProposer.__init__)
     D3DProposer.propose = record(D3DProposer.propose)
-    prompts = json.load(open(prompts_path))
+    prompts = json.loads(Path(prompts_path).read_text())
     llm = LLM(model=f"{models}/target", dtype="float32", max_model_len=256, enforce_eager=True,
               max_num_seqs=len(prompts), enable_prefix_caching=False, seed=0,
               speculative_config={"method": "draft_model", "model": f"{models}/drafter", "parallel_drafting": True,
@@ -69,7 +74,7 @@ def main(models: str, prompts_path: str, out_path: str, num_speculative_tokens: 
                  if same_request(proposal["request_id"], output.request_id)
                  and proposal["prefix_length"] <= len(prompt) + len(tokens)]
         results.append({"prompt": prompt, "output": tokens, "proposals": known})
-    json.dump(results, open(out_path, "w"))
+    Path(out_path).write_text(json.dumps(results))
 
 
 if __name__ == "__main__":
