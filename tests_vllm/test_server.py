@@ -1,8 +1,9 @@
 """A real vLLM OpenAI-compatible server on 127.0.0.1, called with the `openai` client: greedy completions with the
 D3D drafter (started by `d3d serve`), one request at a time and 8 in flight, are identical to vLLM without
 speculation; vLLM's acceptance counters give τ;
-a drafter with another vocabulary is refused at start."""
+a drafter with another vocabulary, or settings that cannot draft a D3D block, are refused at start."""
 
+import json
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
@@ -61,12 +62,19 @@ def test_d3d_server_is_lossless_and_reports_acceptance(models, prompts, plain, t
           f"tau = {1 + accepted / drafts:.2f} tokens per target pass")
 
 
-def test_mismatched_vocabulary_is_refused_at_start(models):
-    spec = ('{"method": "draft_model", "parallel_drafting": true, "num_speculative_tokens": 5, '
-            f'"model": "{models / "wrong_vocab_drafter"}"}}')
-    command = [PYTHON, "-m", SERVER, "--model", str(models / "target"), "--port",
-               str(free_port()), "--speculative-config", spec, *VLLM_FLAGS]
+@pytest.mark.parametrize(("drafter", "settings", "message"), [
+    ("wrong_vocab_drafter", {"parallel_drafting": True, "num_speculative_tokens": 5},
+     "Target and draft model should have the same vocabulary size"),
+    ("drafter", {"parallel_drafting": False, "num_speculative_tokens": 5}, "set parallel_drafting: true"),
+    ("drafter", {"parallel_drafting": True, "num_speculative_tokens": 8},
+     "num_speculative_tokens must be 1..7 (block_size - 1), got 8"),
+])
+def test_bad_drafting_settings_are_refused_at_start(models, drafter, settings, message):
+    """vLLM's own check (vocabulary) and the plugin's (one pass drafts a block of B: parallel drafting, K <= B-1)."""
+    spec = json.dumps({"method": "draft_model", "model": str(models / drafter), **settings})
+    command = [PYTHON, "-m", SERVER, "--model", str(models / "target"), "--port", str(free_port()),
+               "--speculative-config", spec, *VLLM_FLAGS]
     result = subprocess.run(command, capture_output=True, text=True, env=vllm_env(), cwd=REPO, timeout=300,
                             check=False)
     assert result.returncode != 0
-    assert "Target and draft model should have the same vocabulary size" in result.stdout + result.stderr
+    assert message in result.stdout + result.stderr
