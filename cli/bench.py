@@ -1,19 +1,20 @@
 """`d3d bench`: every decoding method through one harness in one process (the target's `generate`, the target alone
 through the engine, HF assisted generation, prompt lookup, D3D sync / async through the engine, eager and compiled,
 and D3D via `assistant_model=`); with `--concurrency 1,4,8,16`, batched D3D against the target's own batched
-greedy decoding at each concurrency."""
+greedy decoding at each concurrency; with `--engine vllm --concurrency 1,4,16`, vLLM alone, vLLM n-gram and vLLM with
+the D3D drafter (real servers, the vLLM environment) beside this project's engine."""
 
 import argparse
 from pathlib import Path
 
 import torch
 
-from benchmark import concurrency, report
+from benchmark import concurrency, report, vllm_bench
 from benchmark.bench import COMPILE_CHOICES, benchmark
 from benchmark.prompts import encode_prompt
 from modeling_d3d import D3DForBlockDiffusion
 
-from . import dtype
+from . import dtype, vllm_env
 from .loading import load_target, read_prompts
 
 
@@ -58,6 +59,8 @@ def check_arguments(args: argparse.Namespace) -> dict[str, list[str]]:
         parse_levels(args.concurrency)
         if len(parse_grid(args.async_budget)) != 1:
             raise ValueError(f"--async-budget {args.async_budget!r} must be one CxF budget")
+    if args.engine == "vllm" and not args.concurrency:
+        raise ValueError("--engine vllm measures serving: give --concurrency, e.g. 1,4,16")
     return {Path(name).stem: prompt_set(name)[: args.num_prompts] for name in args.prompts.split(",")}
 
 
@@ -77,6 +80,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "number of concurrent requests (instead of the method comparison)")
     parser.add_argument("--async-budget", default="4x1",
                         help="CxF: coverage x fanout of asynchronous batched drafting with --concurrency (default 4x1)")
+    parser.add_argument("--engine", choices=("transformers", "vllm"), default="transformers",
+                        help="vllm: vLLM's servers (alone, n-gram, D3D drafter) beside this engine, with --concurrency")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None,
+                        help="drafts per round for vLLM's speculation (default block_size-1, as D3D's engine drafts)")
+    vllm_env.add_argument(parser)
     parser.add_argument("--output", default=None,
                         help="folder for bench.json, bench.md, bench.png (concurrency.* with --concurrency)")
     dtype.add_argument(parser, ". Token identity with the target holds exactly in float32; in bfloat16, verifying "
@@ -86,6 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     texts = check_arguments(args)
+    python = vllm_env.vllm_python(args.vllm_python) if args.engine == "vllm" else None
     choice = dtype.choose_dtype(args.dtype)
     print(choice)
     target, tokenizer = load_target(args.target, choice.dtype)
@@ -93,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
     drafter.check_compatibility(target, tokenizer)
     assistant = load_target(args.assistant, dtype=target.dtype)[0].to(target.device) if args.assistant else None
     sets = {name: [torch.tensor([encode_prompt(tokenizer, text)]) for text in prompts] for name, prompts in texts.items()}
+    if python is not None:
+        return run_vllm(python, target, drafter, sets, args, choice)
     if args.concurrency:
         return run_concurrency(target, drafter, sets, args, choice)
     results = {"dtype": choice.description,
@@ -116,3 +127,24 @@ def run_concurrency(target, drafter, sets: dict[str, list[torch.Tensor]], args: 
     table = concurrency.write(results, Path(args.output)) if args.output else concurrency.markdown(results)
     print(table)
     return 0 if all(row[name]["lossless"] for row in results["levels"] for name in ("sync", "async")) else 1
+
+
+def run_vllm(python: str, target, drafter, sets: dict[str, list[torch.Tensor]], args: argparse.Namespace,
+             choice: dtype.DtypeChoice) -> int:
+    """vLLM's servers and this project's engine on the same prompts and levels; 0 if every output is lossless."""
+    levels = parse_levels(args.concurrency)
+    prompts = [prompt for prompts in sets.values() for prompt in prompts]
+    (coverage, fanout), = parse_grid(args.async_budget)
+    tokens = args.num_speculative_tokens or drafter.config.block_size - 1
+    engine = concurrency.concurrency_benchmark(target, drafter, prompts, levels, args.max_new_tokens, coverage, fanout)
+    output = Path(args.output) if args.output else Path("d3d-output") / "vllm-bench"
+    served = vllm_bench.vllm_benchmark(
+        python, str(Path(args.target).resolve()), str(Path(args.drafter).resolve()),
+        [prompt[0].tolist() for prompt in prompts], levels, args.max_new_tokens, tokens, choice.name,
+        output / "server-logs",
+    )
+    results = {"requests": len(prompts), "max_new_tokens": args.max_new_tokens, "num_speculative_tokens": tokens,
+               "dtype": choice.description, "prompt_sets": list(sets), **vllm_bench.combine(served, engine),
+               "engine": engine}
+    print(vllm_bench.write(results, output))
+    return 0 if all(row["lossless"] for row in results["rows"]) else 1

@@ -1,10 +1,11 @@
-"""`d3d generate-data`: regenerate responses to a prompt set with the target (resumable)."""
+"""`d3d generate-data`: regenerate responses to a prompt set with the target (resumable), with transformers or, for
+large prompt sets, vLLM's offline batched engine (`--engine vllm`, run in the vLLM environment)."""
 
 import argparse
 
 from trainer.data import generate_responses
 
-from . import dtype
+from . import dtype, vllm_env
 from .loading import load_target, read_prompts
 
 
@@ -12,12 +13,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, help="target model folder or Hub id")
     parser.add_argument("--prompts", required=True, help=".jsonl (field 'prompt') or .txt (one prompt per line)")
     parser.add_argument("--output", required=True, help="folder for responses.jsonl and the dataset (rerun resumes)")
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--engine", choices=("transformers", "vllm"), default="transformers",
+                        help="who generates: transformers in this process, or vLLM's offline engine")
+    parser.add_argument("--batch-size", type=int, default=8, help="prompts per batch (and per written chunk)")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="length cap of each response")
     parser.add_argument("--sample", action="store_true", help="sample with the target's recommended settings (default greedy)")
     parser.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     parser.add_argument("--seed", type=int, default=0)
     dtype.add_argument(parser)
+    vllm_env.add_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -26,9 +30,17 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--prompts {args.prompts} holds no prompts")
     choice = dtype.choose_dtype(args.dtype)
     print(choice)
-    target, tokenizer = load_target(args.target, choice.dtype)
-    dataset = generate_responses(
-        target, tokenizer, prompts, args.output, args.batch_size, args.max_new_tokens, args.sample, args.seed
-    )
+    if args.engine == "vllm":
+        from trainer.vllm_data import generate_responses_with_vllm
+
+        dataset = generate_responses_with_vllm(
+            args.target, prompts, args.output, vllm_env.vllm_python(args.vllm_python), args.batch_size,
+            args.max_new_tokens, args.sample, args.seed, choice.name,
+        )
+    else:
+        target, tokenizer = load_target(args.target, choice.dtype)
+        dataset = generate_responses(
+            target, tokenizer, prompts, args.output, args.batch_size, args.max_new_tokens, args.sample, args.seed
+        )
     print(f"{len(dataset)} responses in {args.output}")
     return 0

@@ -20,6 +20,7 @@ COMMANDS = {
     "bench": ("bench", "D3D beside its peers on the same prompts, in one process"),
     "push": ("push", "publish a drafter folder with its model card to the Hugging Face Hub"),
     "space": ("space", "the Gradio Space, served locally: the target alone beside D3D async, live"),
+    "serve": ("serve", "vLLM's OpenAI-compatible server for a target with a D3D drafter (d3d_vllm plugin)"),
     "bench-prefill": ("bench_prefill", "selective prefill on a long-context task: score, TTFT, decode and E2E speedups"),
 }
 

@@ -9,6 +9,7 @@ is saved as a `datasets` dataset with `index`, `prompt` and `completion` (in the
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -73,6 +74,11 @@ def _completion(generated: list[int], stop_ids: set[int], pad_token_id: int | No
     return generated
 
 
+# One batch of the loop: `complete(indices, prompt_ids)` returns the generated ids of each prompt (stop tokens
+# included, padding allowed after them).
+Completer = Callable[[list[int], list[list[int]]], list[list[int]]]
+
+
 @torch.no_grad()
 def generate_responses(
     target,
@@ -89,34 +95,54 @@ def generate_responses(
 
     Sampling settings default to the target's generation config (its recommended ones); `do_sample=False` is greedy.
     Rerunning with the same `output_dir` continues an interrupted run."""
+    settings = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "seed": seed if do_sample else None,
+                **{name: repr(value) for name, value in generate_kwargs.items()}}
+    tokenizer.padding_side = "left"
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    device = next(target.parameters()).device
+
+    def complete(indices: list[int], batch: list[list[int]]) -> list[list[int]]:
+        width = max(len(ids) for ids in batch)
+        input_ids = torch.tensor([[pad_token_id] * (width - len(ids)) + ids for ids in batch], device=device)
+        attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch], device=device)
+        torch.manual_seed(seed + indices[0])
+        generated = target.generate(
+            input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+            do_sample=do_sample, pad_token_id=pad_token_id, **generate_kwargs,
+        )
+        return generated[:, width:].tolist()
+
+    return write_responses(tokenizer, target.generation_config.eos_token_id, prompts, output_dir, settings,
+                           batch_size, complete)
+
+
+def write_responses(
+    tokenizer,
+    eos_token_id: int | list[int] | None,
+    prompts: list[str],
+    output_dir: str | os.PathLike,
+    settings: dict,
+    batch_size: int,
+    complete: Completer,
+) -> Dataset:
+    """The resumable loop of every engine: reuse the records made with `settings`, `complete` the other prompts a
+    batch at a time (each record appended and synced as its batch finishes), then save the dataset."""
     output = Path(output_dir)
     output.mkdir(parents=True, exist_ok=True)
     records_path = output / RECORDS
     encoded = [encode_prompt(tokenizer, prompt) for prompt in prompts]
-    settings = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "seed": seed if do_sample else None,
-                **{name: repr(value) for name, value in generate_kwargs.items()}}
     records = reusable_records(records_path, encoded, settings)
-    tokenizer.padding_side = "left"
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos = target.generation_config.eos_token_id
+    eos = eos_token_id
     stop_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     todo = [index for index in range(len(prompts)) if index not in records]
-    device = next(target.parameters()).device
     with records_path.open("a") as sink, tqdm(total=len(prompts), initial=len(records), desc="target responses") as bar:
         for start in range(0, len(todo), batch_size):
             indices = todo[start : start + batch_size]
             batch = [encoded[index] for index in indices]
-            width = max(len(ids) for ids in batch)
-            input_ids = torch.tensor([[pad_token_id] * (width - len(ids)) + ids for ids in batch], device=device)
-            attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch], device=device)
-            torch.manual_seed(seed + indices[0])
-            generated = target.generate(
-                input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                do_sample=do_sample, pad_token_id=pad_token_id, **generate_kwargs,
-            )
-            for row, index in enumerate(indices):
-                completion = _completion(generated[row, width:].tolist(), stop_ids, pad_token_id)
-                record = {"index": index, "prompt": batch[row], "completion": completion, "settings": settings}
+            for index, ids, generated in zip(indices, batch, complete(indices, batch), strict=True):
+                completion = _completion(generated, stop_ids, pad_token_id)
+                record = {"index": index, "prompt": ids, "completion": completion, "settings": settings}
                 sink.write(json.dumps(record) + "\n")
                 records[index] = record
             sink.flush()
@@ -136,4 +162,5 @@ def load_responses(output_dir: str | os.PathLike) -> Dataset:
     return load_from_disk(str(path))
 
 
-__all__ = ["encode_prompt", "generate_responses", "load_responses", "read_records", "reusable_records"]
+__all__ = ["encode_prompt", "generate_responses", "load_responses", "read_records", "reusable_records",
+           "write_responses"]
