@@ -39,6 +39,14 @@ class PassLayout:
         zeros = lambda: torch.zeros(rows, width, dtype=torch.long)  # noqa: E731
         return cls(torch.full((rows, width), fill_id, dtype=torch.long), zeros(), zeros(), zeros(), zeros(), zeros())
 
+    @classmethod
+    def causal(cls, ids: torch.Tensor, starts: torch.Tensor) -> "PassLayout":
+        """Every row causal: ids `(rows, width)` at positions `starts[r]..` `(rows,)`, each written at the cache
+        column of its position and seeing its prefix (`put_causal` for all rows at once)."""
+        positions = starts[:, None] + torch.arange(ids.shape[1])
+        return cls(ids, positions, positions.clone(), positions + 1, torch.zeros_like(positions),
+                   torch.zeros_like(positions))
+
     def put_causal(self, row: int, column: int, tokens: list[int], start: int) -> None:
         """Tokens at positions `start..` written at the cache columns of their positions, each seeing its prefix."""
         span = slice(column, column + len(tokens))
@@ -128,8 +136,7 @@ def prefill(model, cache: StaticKVCache, slot: int, tokens: list[int]) -> None:
     """Commit `tokens` (a prompt without its last token) to cache row `slot`, alone."""
     if not tokens:
         return
-    layout = PassLayout.empty(1, len(tokens), 0)
-    layout.put_causal(0, 0, tokens, 0)
+    layout = PassLayout.causal(torch.tensor([tokens]), torch.zeros(1, dtype=torch.long))
     run_pass(model, cache, layout, 1, first_row=slot)
 
 
