@@ -149,14 +149,22 @@ def block_layout_for_rows(contexts: list[list[int]], committed: list[int], block
     if min(uncached) < 0:
         raise ValueError("A drafter cache holds more tokens than its row's prefix before the anchor")
     causal_width = max([block_size if fixed else 0, *uncached])
-    layout = PassLayout.empty(len(contexts), causal_width + block_size, mask_id)
-    for row, (context, done, count) in enumerate(zip(contexts, committed, uncached)):
-        pad = causal_width - count
-        anchor = len(context) - 1
-        layout.put_causal(row, pad, context[done:anchor], done)
-        layout.put_block(row, causal_width, [context[-1]] + [mask_id] * (block_size - 1), anchor, anchor, block_size)
-        layout.put_padding(row, slice(0, pad), anchor + block_size)
-    return layout
+    fields = [], [], [], [], [], []  # ids, positions, write_index, prefix_end, own_start, own_end: one list per row
+    for context, done, count in zip(contexts, committed, uncached):
+        pad, anchor = causal_width - count, len(context) - 1
+        block, scratch = range(anchor, anchor + block_size), range(anchor + block_size, anchor + block_size + pad)
+        causal = range(done, anchor)
+        rows = (
+            [mask_id] * pad + context[done:anchor] + [context[-1]] + [mask_id] * (block_size - 1),
+            [0] * pad + [*causal, *block],
+            [*scratch, *causal, *block],  # padding in scratch columns after the block, the rest at its positions
+            [0] * pad + [p + 1 for p in causal] + [anchor] * block_size,
+            [*scratch] + [0] * count + [anchor] * block_size,
+            [c + 1 for c in scratch] + [0] * count + [anchor + block_size] * block_size,
+        )
+        for values, row in zip(fields, rows):
+            values.append(row)
+    return PassLayout(*torch.tensor(fields, dtype=torch.long))
 
 
 def block_pass(drafter, cache: StaticKVCache, contexts: list[list[int]], committed: list[int], forward=None) -> torch.Tensor:
