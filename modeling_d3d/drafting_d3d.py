@@ -39,6 +39,14 @@ class PassLayout:
         zeros = lambda: torch.zeros(rows, width, dtype=torch.long)  # noqa: E731
         return cls(torch.full((rows, width), fill_id, dtype=torch.long), zeros(), zeros(), zeros(), zeros(), zeros())
 
+    @classmethod
+    def causal(cls, ids: torch.Tensor, starts: torch.Tensor) -> "PassLayout":
+        """Every row causal: ids `(rows, width)` at positions `starts[r]..` `(rows,)`, each written at the cache
+        column of its position and seeing its prefix (`put_causal` for all rows at once)."""
+        positions = starts[:, None] + torch.arange(ids.shape[1])
+        return cls(ids, positions, positions.clone(), positions + 1, torch.zeros_like(positions),
+                   torch.zeros_like(positions))
+
     def put_causal(self, row: int, column: int, tokens: list[int], start: int) -> None:
         """Tokens at positions `start..` written at the cache columns of their positions, each seeing its prefix."""
         span = slice(column, column + len(tokens))
@@ -112,10 +120,11 @@ class CompiledForward:
 
 
 def compiled_forward(model) -> CompiledForward:
-    """`model.forward` compiled: CUDA graphs with fixed shapes on CUDA, inductor with dynamic lengths elsewhere."""
+    """`model.forward` compiled: CUDA graphs with fixed shapes on CUDA, inductor with dynamic lengths elsewhere, its
+    wrapper code in C++ (`cpp_wrapper`: the kernels are the same, the per-call Python that launches them is gone)."""
     if model.device.type == "cuda":
         return CompiledForward(torch.compile(model.forward, mode="reduce-overhead", dynamic=False), True)
-    return CompiledForward(torch.compile(model.forward), False)
+    return CompiledForward(torch.compile(model.forward, options={"cpp_wrapper": True}), False)
 
 
 def fixed_shapes(forward) -> bool:
@@ -127,8 +136,7 @@ def prefill(model, cache: StaticKVCache, slot: int, tokens: list[int]) -> None:
     """Commit `tokens` (a prompt without its last token) to cache row `slot`, alone."""
     if not tokens:
         return
-    layout = PassLayout.empty(1, len(tokens), 0)
-    layout.put_causal(0, 0, tokens, 0)
+    layout = PassLayout.causal(torch.tensor([tokens]), torch.zeros(1, dtype=torch.long))
     run_pass(model, cache, layout, 1, first_row=slot)
 
 
@@ -141,14 +149,22 @@ def block_layout_for_rows(contexts: list[list[int]], committed: list[int], block
     if min(uncached) < 0:
         raise ValueError("A drafter cache holds more tokens than its row's prefix before the anchor")
     causal_width = max([block_size if fixed else 0, *uncached])
-    layout = PassLayout.empty(len(contexts), causal_width + block_size, mask_id)
-    for row, (context, done, count) in enumerate(zip(contexts, committed, uncached)):
-        pad = causal_width - count
-        anchor = len(context) - 1
-        layout.put_causal(row, pad, context[done:anchor], done)
-        layout.put_block(row, causal_width, [context[-1]] + [mask_id] * (block_size - 1), anchor, anchor, block_size)
-        layout.put_padding(row, slice(0, pad), anchor + block_size)
-    return layout
+    fields = [], [], [], [], [], []  # ids, positions, write_index, prefix_end, own_start, own_end: one list per row
+    for context, done, count in zip(contexts, committed, uncached):
+        pad, anchor = causal_width - count, len(context) - 1
+        block, scratch = range(anchor, anchor + block_size), range(anchor + block_size, anchor + block_size + pad)
+        causal = range(done, anchor)
+        rows = (
+            [mask_id] * pad + context[done:anchor] + [context[-1]] + [mask_id] * (block_size - 1),
+            [0] * pad + [*causal, *block],
+            [*scratch, *causal, *block],  # padding in scratch columns after the block, the rest at its positions
+            [0] * pad + [p + 1 for p in causal] + [anchor] * block_size,
+            [*scratch] + [0] * count + [anchor] * block_size,
+            [c + 1 for c in scratch] + [0] * count + [anchor + block_size] * block_size,
+        )
+        for values, row in zip(fields, rows):
+            values.append(row)
+    return PassLayout(*torch.tensor(fields, dtype=torch.long))
 
 
 def block_pass(drafter, cache: StaticKVCache, contexts: list[list[int]], committed: list[int], forward=None) -> torch.Tensor:

@@ -300,16 +300,11 @@ class SpeculativeEngine:
     def _verify(self, proposal) -> torch.Tensor:
         """One target pass over `[anchor, drafts]` per row: logits `(rows, width, vocab)` float32; the cache gains the
         columns, committed as far as accepted."""
-        rows = len(self.rows)
-        layout = PassLayout.empty(rows, self.width, 0)
-        anchors = torch.tensor([row.last_token for row in self.rows], dtype=torch.long)
-        for r, row in enumerate(self.rows):
-            layout.put_causal(r, 0, [0] * self.width, row.target_committed)
-        layout.ids[:, 0] = anchors
+        ids = torch.tensor([[row.last_token] for row in self.rows], dtype=torch.long)
         if proposal is not None:
-            layout.ids = layout.ids.to(self.device)
-            layout.ids[:, 1:] = proposal.drafts.to(self.device)
-        return run_pass(self.target, self.cache, layout, self.width, forward=self.forward)
+            ids = torch.cat([ids.to(self.device), proposal.drafts.to(self.device)], dim=1)
+        starts = torch.tensor([row.target_committed for row in self.rows], dtype=torch.long)
+        return run_pass(self.target, self.cache, PassLayout.causal(ids, starts), self.width, forward=self.forward)
 
     def _accept(self, proposal, logits: torch.Tensor) -> tuple[list[RoundOutcome], list[int]]:
         """Process the target's logits per row, accept (greedy or rejection sampling, batched), read the result
