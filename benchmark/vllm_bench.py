@@ -13,7 +13,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .report import pyplot, write_report
-from .vllm_server import complete, free_port, running, server_command, spec_counters
+from .vllm_server import (
+    complete,
+    d3d_speculative_config,
+    free_port,
+    running,
+    server_command,
+    spec_counters,
+)
 
 VLLM_METHODS = ("vLLM alone", "vLLM n-gram", "vLLM + D3D")
 # Exactness is measured on computed tokens: no prefix caching.
@@ -25,8 +32,7 @@ def speculative_configs(drafter: str, num_speculative_tokens: int) -> dict[str, 
         "vLLM alone": None,
         "vLLM n-gram": {"method": "ngram", "num_speculative_tokens": num_speculative_tokens, "prompt_lookup_max": 4,
                         "prompt_lookup_min": 2},
-        "vLLM + D3D": {"method": "draft_model", "model": drafter, "num_speculative_tokens": num_speculative_tokens,
-                       "parallel_drafting": True},
+        "vLLM + D3D": d3d_speculative_config(drafter, num_speculative_tokens),
     }
 
 

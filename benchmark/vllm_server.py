@@ -22,9 +22,16 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def d3d_speculative_config(drafter: str, num_speculative_tokens: int) -> dict:
+    """vLLM's speculative config for a D3D drafter folder (the `d3d_vllm` plugin drafts its block in one pass)."""
+    return {"method": "draft_model", "model": drafter, "num_speculative_tokens": num_speculative_tokens,
+            "parallel_drafting": True}
+
+
 def server_command(vllm_python: str, target: str, port: int, speculative_config: dict | None,
-                   extra: list[str]) -> list[str]:
-    command = [vllm_python, "-m", SERVER, "--model", target, "--host", "127.0.0.1", "--port", str(port), *extra]
+                   extra: list[str], host: str = "127.0.0.1") -> list[str]:
+    """vLLM's OpenAI-compatible server for `target` on `host:port`, `extra` server arguments, speculating or not."""
+    command = [vllm_python, "-m", SERVER, "--model", target, "--host", host, "--port", str(port), *extra]
     return command + (["--speculative-config", json.dumps(speculative_config)] if speculative_config else [])
 
 
@@ -78,4 +85,4 @@ def spec_counters(base_url: str) -> dict[str, float]:
     return counters
 
 
-__all__ = ["complete", "free_port", "running", "server_command", "spec_counters"]
+__all__ = ["complete", "d3d_speculative_config", "free_port", "running", "server_command", "spec_counters"]

