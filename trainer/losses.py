@@ -1,4 +1,4 @@
-"""D3D training objectives (METHOD.md, Training and Acceptance-guided pruning).
+"""D3D training objectives (docs/method.md: Training, and Acceptance-guided progressive layer pruning).
 
 Shapes: diffusion logits `(batch, K, B - 1, vocab)` with block labels `(batch, K, B - 1)`; AR logits
 `(batch, S, vocab)` with AR labels `(batch, S)`. Label `-100` marks a position without supervision.

@@ -1,4 +1,4 @@
-"""Acceptance-guided progressive layer pruning with distillation recovery (METHOD.md, section 3.3).
+"""Acceptance-guided progressive layer pruning with distillation recovery (docs/method.md, the paper's section 3.3).
 
 Repeat: measure τ on the selection set with each remaining layer removed; remove the layer whose removal costs
 least; recover with `L_rec` from the fixed, unpruned teacher; re-measure τ and decoding speedup on the disjoint
