@@ -22,6 +22,7 @@ COMMANDS = {
     "space": ("space", "the Gradio Space, served locally: the target alone beside D3D async, live"),
     "serve": ("serve", "vLLM's OpenAI-compatible server for a target with a D3D drafter (d3d_vllm plugin)"),
     "bench-prefill": ("bench_prefill", "selective prefill on a long-context task: score, TTFT, decode and E2E speedups"),
+    "gpu-check": ("gpu_check", "the first thing to run on a GPU: identity, compile, timing and memory on random weights"),
 }
 
 

@@ -1,0 +1,77 @@
+"""`d3d gpu-check`: the smoke run on a CPU (its float32 identity checks pass), the refusal without CUDA, and a
+corrupted engine output caught by the identity check with its margin."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmark import gpu_check
+
+ROOT = Path(__file__).parents[1]
+
+
+def d3d(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True, timeout=300,
+                          cwd=cwd, env=environment)
+
+
+def test_smoke_run_writes_every_check_and_identity_passes(tmp_path):
+    result = d3d("gpu-check", "--smoke", "--output", "tmp", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "tmp" / "gpu_check.json").read_text())
+    statuses = {check["name"]: check["status"] for check in report["checks"]}
+    assert list(statuses) == list(gpu_check.SMOKE_CHECKS)
+    assert all(status in gpu_check.STATUSES for status in statuses.values())
+    assert statuses["environment"] == "pass"
+    assert statuses["identity-float32-sync"] == statuses["identity-float32-async"] == "pass"
+    expected = "pass" if torch.cuda.is_available() else "skipped"
+    assert statuses["identity-float32-cross-device"] == expected
+    for check in report["checks"][1:3]:
+        cases = check["details"]["cases"]
+        assert [case["case"] for case in cases] == ["rows=1", "rows=1 +processors", "rows=3", "rows=3 +processors"]
+        accepted = {int(n) for case in cases for n in case["round_record"]["accepted"]}
+        assert len(accepted) > 2  # rounds accepted different numbers of drafts, not only the target's token
+    table = (tmp_path / "tmp" / "gpu_check.md").read_text()
+    assert "| identity-float32-sync | pass |" in table
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_without_cuda_and_smoke_one_line_and_exit_2(tmp_path):
+    result = d3d("gpu-check", "--output", "out", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("d3d gpu-check: error: gpu-check needs a CUDA GPU (none is visible); on a CPU "
+                                     "run `d3d gpu-check --smoke`")
+    assert not (tmp_path / "out").exists()
+    help_text = d3d("gpu-check", "--help", cwd=tmp_path)
+    assert help_text.returncode == 0 and "--smoke" in help_text.stdout and "identity-float32" in help_text.stdout
+
+
+def test_identity_check_reports_a_corrupted_token_with_its_margin(monkeypatch, one_torch_thread):
+    """The check is not blind: an engine output with one token changed fails, at that position, with the
+    reference's top-2 margin and the score gap of the wrong token."""
+    decode = gpu_check.decode
+
+    def corrupted(*args, **kwargs):
+        output = decode(*args, **kwargs)
+        output[0, -2] = (output[0, -2] + 1) % gpu_check.SMOKE_SHAPES.vocab
+        return output
+
+    monkeypatch.setattr(gpu_check, "decode", corrupted)
+    device = torch.device("cpu")
+    context = gpu_check.Context(gpu_check.SMOKE_SHAPES, device, gpu_check.ModelCache(gpu_check.SMOKE_SHAPES, device),
+                                time.monotonic() + 600)
+    check = next(c for c in gpu_check.all_checks() if c.name == "identity-float32-sync")
+    result = gpu_check.run_check(check, context)
+    assert result.status == "fail", result
+    first_case = result.details["cases"][0]
+    row = first_case["rows"][0]
+    assert row["identical"] is False and row["first_divergence"] == gpu_check.SMOKE_SHAPES.max_new_tokens - 2
+    assert row["reference_top2_margin"] >= 0 and row["score_gap"] > 0
+    assert "margin" in result.summary
