@@ -380,7 +380,8 @@ def identity_setup(context: Context, kind: str) -> IdentitySetup:
         sequences, _ = reference(target, ids, mask, plain)
     generated = sequences[:, ids.shape[1]:]
     others = [t for t in generated[0].tolist() if t != acceptance.token] or [acceptance.token + 1]
-    frequent = [t for t, _ in Counter(generated.reshape(-1).tolist()).most_common() if t not in (acceptance.token, others[0])]
+    counts = Counter(generated.reshape(-1).tolist()).most_common()
+    frequent = [t for t, _ in counts if t not in (acceptance.token, others[0])]
     setup = IdentitySetup(acceptance, others[0], frequent[:2] or [others[0] + 1])
     with acceptance.applied(target, drafter):
         for batch, with_processors in identity_cases(s):
@@ -396,7 +397,8 @@ def identity_cases(shapes: Shapes) -> list[tuple[int, bool]]:
     return [(batch, processors) for batch in (1, len(shapes.prompt_lengths)) for processors in (False, True)]
 
 
-def identity_mode(context: Context, kind: str, mode: str, tie_tolerance: float | None = None) -> tuple[list[dict], dict]:
+def identity_mode(context: Context, kind: str, mode: str,
+                  tie_tolerance: float | None = None) -> tuple[list[dict], dict]:
     """Every case of one mode against its reference (see `identity_setup`)."""
     target, drafter = context.models.get(kind)
     setup = identity_setup(context, kind)
@@ -453,7 +455,8 @@ def environment_check(context: Context):
     }
     if torch.cuda.is_available():
         details["devices"] = [
-            {"name": torch.cuda.get_device_name(i), "capability": ".".join(map(str, torch.cuda.get_device_capability(i))),
+            {"name": torch.cuda.get_device_name(i),
+             "capability": ".".join(map(str, torch.cuda.get_device_capability(i))),
              "memory_gib": round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1)}
             for i in range(torch.cuda.device_count())
         ]
@@ -467,7 +470,8 @@ class CompileWatch:
     """What PyTorch compiled while inside: deltas of `torch._dynamo.utils.counters` (unique graphs, frames, CUDA-graph
     skips) and the recompile, recompile-limit and CUDA-graph-skip messages of dynamo's and inductor's logs."""
 
-    MARKERS = {"recompiles": "Recompiling function", "limit_hits": "hit config.", "cudagraph_skips": "skipping cudagraphs"}
+    MARKERS = {"recompiles": "Recompiling function", "limit_hits": "hit config.",
+               "cudagraph_skips": "skipping cudagraphs"}
 
     def __init__(self):
         self.messages: dict[str, list[str]] = {key: [] for key in self.MARKERS}
@@ -656,8 +660,9 @@ class PassTimer:
     @torch.no_grad()
     def run(self) -> torch.Tensor:
         """One pass `(rows, keep, vocab)` float32 logits; the cache is back at the prefix after it."""
-        output = self.model(input_ids=self.ids, position_ids=self.positions, attention_mask={"full_attention": self.mask},
-                            past_key_values=self.cache, use_cache=True, logits_to_keep=self.shape.keep)
+        output = self.model(input_ids=self.ids, position_ids=self.positions,
+                            attention_mask={"full_attention": self.mask}, past_key_values=self.cache, use_cache=True,
+                            logits_to_keep=self.shape.keep)
         self.cache.crop(-self.shape.width)
         return output.logits.float()
 
@@ -793,11 +798,13 @@ def timing_check(context: Context):
             continue
         results.append(timing_rows(context, rows))
     summary = "; ".join(
-        f"rows {r['rows']}: generate {r['generate_tokens_per_s']} tok/s, engine alone {r['engine_alone_tokens_per_s']}, "
+        f"rows {r['rows']}: generate {r['generate_tokens_per_s']} tok/s, "
+        f"engine alone {r['engine_alone_tokens_per_s']}, "
         f"forced tau {r['engine_measured']['sync_forced_tau']['tau']}: sync "
         f"{r['engine_measured']['sync_forced_tau']['tokens_per_s']} / async "
         f"{r['engine_measured']['async_forced_tau']['tokens_per_s']} tok/s measured; at tau 7.88 sync "
-        f"{r['projection_tau_7_88']['sync_tokens_per_s']} / async {r['projection_tau_7_88']['async_all_hits_tokens_per_s']}"
+        f"{r['projection_tau_7_88']['sync_tokens_per_s']} / async "
+        f"{r['projection_tau_7_88']['async_all_hits_tokens_per_s']}"
         f" tok/s (projection)" for r in results if "skipped" not in r)
     return "measured", summary, {"per_rows": results}
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from benchmark import gpu_check
+from cli.main import main
 
 ROOT = Path(__file__).parents[1]
 
@@ -43,14 +44,16 @@ def test_smoke_run_writes_every_check_and_identity_passes(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
-def test_without_cuda_and_smoke_one_line_and_exit_2(tmp_path):
-    result = d3d("gpu-check", "--output", "out", cwd=tmp_path)
-    assert result.returncode == 2
-    assert result.stderr.strip() == ("d3d gpu-check: error: gpu-check needs a CUDA GPU (none is visible); on a CPU "
-                                     "run `d3d gpu-check --smoke`")
+def test_without_cuda_and_smoke_one_line_and_exit_2(tmp_path, capsys):
+    assert main(["gpu-check", "--output", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip() == ("d3d gpu-check: error: gpu-check needs a CUDA GPU (none is visible); "
+                                               "on a CPU run `d3d gpu-check --smoke`")
     assert not (tmp_path / "out").exists()
-    help_text = d3d("gpu-check", "--help", cwd=tmp_path)
-    assert help_text.returncode == 0 and "--smoke" in help_text.stdout and "identity-float32" in help_text.stdout
+    with pytest.raises(SystemExit) as exit_info:
+        main(["gpu-check", "--help"])
+    assert exit_info.value.code == 0
+    help_text = capsys.readouterr().out
+    assert "--smoke" in help_text and "identity-float32" in help_text
 
 
 def test_identity_check_reports_a_corrupted_token_with_its_margin(monkeypatch, one_torch_thread):
