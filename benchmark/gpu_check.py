@@ -994,8 +994,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget-s", type=float, default=420.0,
                         help="seconds for all checks; a check that would start with less than it needs is skipped")
     parser.add_argument("--only", default=None, help="comma-separated check names to run (default: all)")
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="new tokens of the identity checks")
-    parser.add_argument("--prefix", type=int, default=None, help="prompt tokens of the 8B timing checks (512)")
+    for name, help_text in SIZE_OPTIONS.items():
+        default = getattr(Shapes(), name)
+        shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
+        parser.add_argument(f"--{name.replace('_', '-')}", default=None,
+                            metavar="N[,N...]" if name == "timing_rows" else "N", help=f"{help_text} (default {shown})")
+
+
+SIZE_OPTIONS = {  # Shapes fields settable from the command line (smaller GPUs, quicker runs)
+    "max_new_tokens": "new tokens of the identity and compile checks",
+    "full_target_layers": "layers of the 8B-shaped target",
+    "full_drafter_layers": "layers of the 8B-shaped drafter",
+    "prefix": "prompt tokens of the 8B timing checks",
+    "timing_rows": "comma-separated batch sizes of the 8B timing check",
+    "server_rows": "rows of the memory check's server",
+    "server_length": "max_length of the memory check's server",
+}
+
+
+def size_overrides(args: argparse.Namespace) -> dict:
+    """The `SIZE_OPTIONS` given, as `Shapes` fields; ValueError (exit 2) unless positive integers."""
+    overrides = {}
+    for name in SIZE_OPTIONS:
+        text = getattr(args, name)
+        if text is None:
+            continue
+        parts = text.split(",") if name == "timing_rows" else [text]
+        if not all(part.strip().isdigit() and int(part) > 0 for part in parts):
+            raise ValueError(f"--{name.replace('_', '-')} takes positive integers, got {text!r}")
+        values = tuple(int(part) for part in parts)
+        overrides[name] = values if name == "timing_rows" else values[0]
+    return overrides
 
 
 def choose_checks(only: str | None, smoke: bool) -> list[Check]:
@@ -1014,15 +1043,9 @@ def run(args: argparse.Namespace) -> int:
     """Returns 0 when no check failed or errored, 1 otherwise; raises ValueError (exit 2) without CUDA and --smoke."""
     if not args.smoke and not torch.cuda.is_available():
         raise ValueError("gpu-check needs a CUDA GPU (none is visible); on a CPU run `d3d gpu-check --smoke`")
-    for name in ("max_new_tokens", "prefix"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
     if args.budget_s <= 0:
         raise ValueError(f"--budget-s must be positive, got {args.budget_s}")
-    shapes = SMOKE_SHAPES if args.smoke else Shapes()
-    overrides = {name: getattr(args, name) for name in ("max_new_tokens", "prefix") if getattr(args, name) is not None}
-    shapes = replace(shapes, **overrides)
+    shapes = replace(SMOKE_SHAPES if args.smoke else Shapes(), **size_overrides(args))
     checks = choose_checks(args.only, args.smoke)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     results = run_checks(checks, shapes, device, Path(args.output), args.budget_s, args.smoke)
