@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmark import gpu_check
+from benchmark import gpu_check, gpu_check_identity
+from benchmark.gpu_check_models import SMOKE_SHAPES, Context, ModelCache
 from cli.main import main
 
 ROOT = Path(__file__).parents[1]
@@ -59,22 +60,21 @@ def test_without_cuda_and_smoke_one_line_and_exit_2(tmp_path, capsys):
 def test_identity_check_reports_a_corrupted_token_with_its_margin(monkeypatch, one_torch_thread):
     """The check is not blind: an engine output with one token changed fails, at that position, with the
     reference's top-2 margin and the score gap of the wrong token."""
-    decode = gpu_check.decode
+    decode = gpu_check_identity.decode
 
     def corrupted(*args, **kwargs):
         output = decode(*args, **kwargs)
-        output[0, -2] = (output[0, -2] + 1) % gpu_check.SMOKE_SHAPES.vocab
+        output[0, -2] = (output[0, -2] + 1) % SMOKE_SHAPES.vocab
         return output
 
-    monkeypatch.setattr(gpu_check, "decode", corrupted)
+    monkeypatch.setattr(gpu_check_identity, "decode", corrupted)
     device = torch.device("cpu")
-    context = gpu_check.Context(gpu_check.SMOKE_SHAPES, device, gpu_check.ModelCache(gpu_check.SMOKE_SHAPES, device),
-                                time.monotonic() + 600)
+    context = Context(SMOKE_SHAPES, device, ModelCache(SMOKE_SHAPES, device), time.monotonic() + 600)
     check = next(c for c in gpu_check.all_checks() if c.name == "identity-float32-sync")
     result = gpu_check.run_check(check, context)
     assert result.status == "fail", result
     first_case = result.details["cases"][0]
     row = first_case["rows"][0]
-    assert row["identical"] is False and row["first_divergence"] == gpu_check.SMOKE_SHAPES.max_new_tokens - 2
+    assert row["identical"] is False and row["first_divergence"] == SMOKE_SHAPES.max_new_tokens - 2
     assert row["reference_top2_margin"] >= 0 and row["score_gap"] > 0
     assert "margin" in result.summary
