@@ -18,7 +18,8 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 
 from .network_d3d import check_compatibility
 from .engine_d3d import RoundRecord, RowSettings, SpeculativeEngine
-from .generation_d3d import check_generation_settings, eos_ids, make_source
+from .generation_d3d import make_source
+from .settings_d3d import row_settings
 from .sources_d3d import DEFAULT_FANOUT
 
 DEFAULT_MAX_LENGTH = 4096
@@ -192,27 +193,13 @@ class D3DBatchServer:
             raise ValueError(f"Unknown generation settings: {', '.join(sorted(unused))}")
         if do_sample is not None:
             config.do_sample = do_sample
-        config.validate()
-        check_generation_settings(config)
         if eos_token_id is not None:
             config.eos_token_id = eos_token_id
-        # processors that need the EOS id (min_new_tokens, ...) read the prepared tensor, as generate prepares it
-        eos = sorted(eos_ids(config))
-        config._eos_token_tensor = torch.tensor(eos, device=self.target.device) if eos else None
-        processors = self.target._get_logits_processor(
-            generation_config=config,
-            input_ids_seq_length=len(prompt),
-            encoder_input_ids=torch.tensor([prompt]),
-            logits_processor=LogitsProcessorList(logits_processor or []),
-            device=str(self.target.device),
-        )
+        config.validate()
         if config.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need the tokenizer: D3DBatchServer(..., tokenizer=tokenizer)")
-        criteria = self.target._get_stopping_criteria(  # its EOS and length criteria are the engine's own
-            generation_config=config, stopping_criteria=StoppingCriteriaList(stopping_criteria or []),
-            tokenizer=self.tokenizer)
         seed = seed if seed is not None else int(torch.randint(2**62, (1,)))
-        settings = RowSettings(max_new_tokens, bool(config.do_sample), eos_ids(config), processors, criteria, seed)
+        settings = row_settings(self.target, config, prompt, logits_processor, stopping_criteria, self.tokenizer, seed)
         self._decoder.check_request(prompt, settings)
         with self._condition:
             if self._closed:
