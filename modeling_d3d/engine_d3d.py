@@ -22,7 +22,8 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 
 from .acceptance_d3d import greedy_accept, rejection_sample
 from .caches_d3d import StaticKVCache
-from .drafting_d3d import PassLayout, compiled_forward, prefill, process, run_pass
+from .drafting_d3d import process
+from .passes_d3d import PassLayout, compiled_forward, prefill, run_pass
 from .sources_d3d import RowSampling, synchronize
 
 

@@ -11,7 +11,7 @@ from transformers import LogitsProcessorList, StoppingCriteriaList, StopStringCr
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .engine_d3d import RoundRecord, SpeculativeEngine
-from .drafting_d3d import compiled_forward
+from .passes_d3d import compiled_forward
 from .settings_d3d import eos_ids, row_settings
 from .sources_d3d import DEFAULT_FANOUT, BlockSource, SuccessorSource
 
@@ -35,7 +35,7 @@ def front_door_kwargs(generate_kwargs: dict) -> dict:
 
 def make_source(drafter, asynchronous: bool, coverage, fanout, drafter_device, worker_threads, compile: bool = False):
     """The drafter source for these settings: None (the target alone), block drafting, or successor drafting;
-    `compile`: its drafting passes compiled (`drafting_d3d.compiled_forward`)."""
+    `compile`: its drafting passes compiled (`passes_d3d.compiled_forward`)."""
     if drafter is None:
         if asynchronous:
             raise ValueError("asynchronous=True needs drafter=<a D3DForBlockDiffusion>")
@@ -74,7 +74,7 @@ def speculative_generate(
     drafter: a `D3DForBlockDiffusion` (None: the target alone through the engine). asynchronous: successor drafting
     on a worker thread (`coverage`, `fanout`, `drafter_device`, `worker_threads`). drafter_input_ids: `(1, L)` the
     prompt the drafter reads when the target reads a reduced one (selective prefill; batch of one). compile:
-    compiled verify and drafting passes (`drafting_d3d.compiled_forward`; the first calls compile). round_record: a `RoundRecord` to
+    compiled verify and drafting passes (`passes_d3d.compiled_forward`; the first calls compile). round_record: a `RoundRecord` to
     fill (also left in `drafter.generation_stats`). streamer: as generate passes it (it has put the prompt already);
     d3d_streamer: the same from a front door (`front_door_kwargs`: generate drops `streamer=` before calling a
     callable), which gets the prompt here.

@@ -21,7 +21,8 @@ import torch
 from transformers import LogitsProcessorList
 
 from .caches_d3d import StaticKVCache
-from .drafting_d3d import block_pass, choose, context_free, plan_alternatives, prefill, process, successor_pass
+from .drafting_d3d import block_pass, choose, context_free, plan_alternatives, process, successor_pass
+from .passes_d3d import prefill
 
 DEFAULT_COVERAGE = 12
 DEFAULT_FANOUT = 2

@@ -16,7 +16,8 @@ from distribution import NEW_TOKENS, PROMPT, SAMPLES, VOCAB, chi_square_p_value,
 from modeling_d3d import BlockSource, D3DForBlockDiffusion, RoundRecord, RowSettings, SpeculativeEngine, SuccessorSource
 from modeling_d3d.acceptance_d3d import rejection_sample
 from modeling_d3d.caches_d3d import StaticKVCache
-from modeling_d3d.drafting_d3d import block_pass, plan_alternatives, prefill, successor_pass
+from modeling_d3d.drafting_d3d import block_pass, plan_alternatives, successor_pass
+from modeling_d3d.passes_d3d import prefill
 from modeling_d3d.generation_d3d import speculative_generate
 from modeling_d3d.sources_d3d import RowSampling
 
