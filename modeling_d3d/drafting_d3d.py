@@ -27,7 +27,7 @@ def block_layout_for_rows(contexts: list[list[int]], committed: list[int], block
     columns (its size after any round), so that the shape stays the same from round to round (compiled passes)."""
     uncached = [len(context) - 1 - done for context, done in zip(contexts, committed)]
     if min(uncached) < 0:
-        raise ValueError("A drafter cache holds more tokens than its row's prefix before the anchor")
+        raise RuntimeError("A drafter cache holds more tokens than its row's prefix before the anchor")
     causal_width = max([block_size if fixed else 0, *uncached])
     fields = [], [], [], [], [], []  # ids, positions, write_index, prefix_end, own_start, own_end: one list per row
     for context, done, count in zip(contexts, committed, uncached):

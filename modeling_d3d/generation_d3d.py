@@ -13,7 +13,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .engine_d3d import RoundRecord, SpeculativeEngine
 from .passes_d3d import compiled_forward
 from .settings_d3d import eos_ids, row_settings
-from .sources_d3d import DEFAULT_FANOUT, BlockSource, SuccessorSource
+from .sources_d3d import DEFAULT_FANOUT, BlockSource, SuccessorSource, check_device
 
 COMPILE_LENGTH_BUCKET = 256
 
@@ -35,13 +35,13 @@ def front_door_kwargs(generate_kwargs: dict) -> dict:
 
 def make_source(drafter, asynchronous: bool, coverage, fanout, drafter_device, worker_threads, compile: bool = False):
     """The drafter source for these settings: None (the target alone), block drafting, or successor drafting;
-    `compile`: its drafting passes compiled (`passes_d3d.compiled_forward`)."""
+    `compile`: its drafting passes compiled (`passes_d3d.compiled_forward`). drafter_device: where the drafter must
+    already be (`ValueError` otherwise; the user's model is never moved)."""
     if drafter is None:
         if asynchronous:
             raise ValueError("asynchronous=True needs drafter=<a D3DForBlockDiffusion>")
         return None
-    if drafter_device is not None:
-        drafter.to(drafter_device)
+    check_device(drafter, drafter_device)
     forward = compiled_forward(drafter) if compile else None
     if asynchronous:
         return SuccessorSource(drafter, coverage, fanout, worker_threads=worker_threads, forward=forward)
@@ -72,7 +72,8 @@ def speculative_generate(
 
     input_ids: `(batch, P)` prompts, left-padded with their `attention_mask`; each row is decoded as if alone.
     drafter: a `D3DForBlockDiffusion` (None: the target alone through the engine). asynchronous: successor drafting
-    on a worker thread (`coverage`, `fanout`, `drafter_device`, `worker_threads`). drafter_input_ids: `(1, L)` the
+    on a worker thread (`coverage`, `fanout`, `worker_threads`); drafter_device: where the drafter already is (checked,
+    never moved to). drafter_input_ids: `(1, L)` the
     prompt the drafter reads when the target reads a reduced one (selective prefill; batch of one). compile:
     compiled verify and drafting passes (`passes_d3d.compiled_forward`; the first calls compile). round_record: a `RoundRecord` to
     fill (also left in `drafter.generation_stats`). streamer: as generate passes it (it has put the prompt already);

@@ -125,11 +125,12 @@ def fixed_shapes(forward) -> bool:
 
 
 def prefill(model, cache: StaticKVCache, slot: int, tokens: list[int]) -> None:
-    """Commit `tokens` (a prompt without its last token) to cache row `slot`, alone."""
-    if not tokens:
-        return
-    layout = PassLayout.causal(torch.tensor([tokens]), torch.zeros(1, dtype=torch.long))
-    run_pass(model, cache, layout, 1, first_row=slot)
+    """Commit `tokens` (a prompt without its last token) to cache row `slot`, alone: `cache.committed[slot]` becomes
+    their count."""
+    if tokens:
+        run_pass(model, cache, PassLayout.causal(torch.tensor([tokens]), torch.zeros(1, dtype=torch.long)), 1,
+                 first_row=slot)
+    cache.committed[slot] = len(tokens)
 
 
 __all__ = ["CompiledForward", "PassLayout", "compiled_forward", "fixed_shapes", "prefill", "run_pass"]

@@ -92,8 +92,8 @@ def token_kinds(outcome) -> list[str]:
     """How each token of one round (a `RoundOutcome`) came: its accepted drafts, `CACHE` when a prepared branch
     served the round else `DRAFT`, then the target's own token, `TARGET` (none when the length limit cut the round
     inside the drafts)."""
-    drafted = CACHE if outcome.from_cache else DRAFT
-    return [drafted] * outcome.drafted + [TARGET] * (len(outcome.added) - outcome.drafted)
+    kind = CACHE if outcome.from_cache else DRAFT
+    return [kind] * outcome.accepted_drafts + [TARGET] * (len(outcome.added) - outcome.accepted_drafts)
 
 
 @dataclass
@@ -189,22 +189,6 @@ class LiveDecode:
         return len(self.tokens) / self.seconds if self.seconds else float("nan")
 
 
-class DraftLimit:
-    """A drafter source proposing at most `drafts` tokens a round (the Space's block size `b < B`): the engine
-    verifies only the first `drafts` of each proposal. Everything else is the wrapped source's."""
-
-    def __init__(self, source, drafts: int):
-        self.source, self.drafts = source, drafts
-
-    def propose(self, contexts: list[list[int]], sampling):
-        proposal = self.source.propose(contexts, sampling)
-        proposal.num_drafts = proposal.num_drafts.clamp(max=self.drafts)
-        return proposal
-
-    def __getattr__(self, name: str):
-        return getattr(self.source, name)
-
-
 def row_settings(drafter, target, prompt_ids: torch.LongTensor, settings: Settings):
     """The engine's `RowSettings` for `settings`, from the target's generation config as `generate` builds them
     (the drafter's own `settings_d3d.row_settings`): greedy at temperature 0, else sampling at `temperature`."""
@@ -256,9 +240,8 @@ def decode_live(target, drafter, tokenizer, prompt_ids: torch.LongTensor, settin
     modules = engine_modules(drafter)
     source = None
     if draft:
-        successor = modules.sources.SuccessorSource(drafter, settings.coverage, settings.fanout)
-        source = successor if settings.block_size == drafter.config.block_size else DraftLimit(
-            successor, settings.block_size - 1)
+        source = modules.sources.SuccessorSource(drafter, settings.coverage, settings.fanout,
+                                                 max_drafts=settings.block_size - 1)
     engine = modules.engine.SpeculativeEngine(target, source, max_length=prompt_ids.shape[1] + settings.max_new_tokens)
     live = LiveDecode(tokenizer, engine.record)
     try:
@@ -276,7 +259,7 @@ def decode_live(target, drafter, tokenizer, prompt_ids: torch.LongTensor, settin
 
 
 __all__ = [
-    "CACHE", "DRAFT", "TARGET", "MAX_FANOUT", "MAX_NEW_TOKENS", "MAX_TEMPERATURE", "Detokenizer", "DraftLimit", "EngineModules",
+    "CACHE", "DRAFT", "TARGET", "MAX_FANOUT", "MAX_NEW_TOKENS", "MAX_TEMPERATURE", "Detokenizer", "EngineModules",
     "LiveDecode", "Round", "Settings", "check_prompt_length", "check_settings", "compare_live", "decode_live",
     "encode_prompt", "engine_modules", "prepare_request", "row_settings", "token_kinds", "whole_number",
 ]
