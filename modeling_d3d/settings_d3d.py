@@ -16,8 +16,8 @@ from transformers.generation.configuration_utils import GenerationMode
 
 from .engine_d3d import RowSettings
 
-# generate settings whose processors depend on the prompt's length (or, for repetition_penalty, its padding): built
-# per row when a row's prompt is shorter than the width generate prepared the config for.
+# generate settings whose processors depend on the prompt's length or the batch (repetition_penalty reads every row's
+# padding): rebuilt for each row from a config generate prepared.
 LENGTH_DEPENDENT_SETTINGS = ("min_length", "min_new_tokens", "forced_eos_token_id", "begin_suppress_tokens",
                              "exponential_decay_length_penalty", "repetition_penalty")
 UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
@@ -82,8 +82,8 @@ def row_settings(target, generation_config, prompt: list[int], logits_processor:
     `logits_processor` and `stopping_criteria` are added to those built from it, as `generate` merges them (one of a
     type the config also builds replaces it); `tokenizer` serves `stop_strings`. With `prepared_width`, the config,
     processors and criteria are those `generate` prepared for a batch of that width before calling a
-    `custom_generate`: the lengths are re-based on this row's own (see the module docstring) and, for a shorter row,
-    the length-dependent processors are rebuilt for it (the other processors given are kept).
+    `custom_generate`: the lengths are re-based on this row's own (see the module docstring) and the processors that
+    depend on the length or the batch are rebuilt for this row (the other processors given are kept).
     Raises `ValueError` for settings the engine does not run or a row with no room for one new token.
     """
     check_generation_settings(generation_config, synced_gpus)
@@ -101,7 +101,7 @@ def row_settings(target, generation_config, prompt: list[int], logits_processor:
                                                   device=str(device))
         criteria = target._get_stopping_criteria(generation_config=config, stopping_criteria=criteria,
                                                  tokenizer=tokenizer)  # its EOS and length criteria are the engine's
-    elif len(prompt) != prepared_width and any(getattr(config, name, None) for name in LENGTH_DEPENDENT_SETTINGS):
+    elif any(getattr(config, name, None) for name in LENGTH_DEPENDENT_SETTINGS):  # built for the batch: rebuilt
         built = target._get_logits_processor(generation_config=config, input_ids_seq_length=len(prompt),
                                              encoder_input_ids=ids, device=str(device))
         built_types = {type(p) for p in built}
