@@ -2,7 +2,9 @@
 
 Only the chosen command's module is imported, so `d3d bench` runs with the inference install alone (no training
 extras such as `datasets`). Errors from bad input (`USER_ERRORS`) print one line, `d3d COMMAND: error: MESSAGE`, and
-exit 2; `--debug` shows their traceback. Any other exception is a bug and keeps its traceback.
+exit 2; `--debug` shows their traceback. Any other exception (`RuntimeError`, a failed assertion: an internal
+invariant) is a bug: it prints `d3d COMMAND: internal error: ...` with a hint to rerun with `--debug` for the
+traceback, and exits 1.
 """
 
 import argparse
@@ -37,7 +39,7 @@ def command_module(name: str):
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The `d3d` parser; only `command`'s own arguments are loaded (every command's, when it is None)."""
     parser = argparse.ArgumentParser(prog="d3d", description="D3D: decoupled diffusion drafting for speculative decoding")
-    parser.add_argument("--debug", action="store_true", help="show the traceback of an input error too")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, (_, help_text) in COMMANDS.items():
         if command is None or name == command:
@@ -59,6 +61,13 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"d3d {args.command}: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
+    except Exception as error:  # not the user's input: a bug in d3d
+        if args.debug:
+            raise
+        print(f"d3d {args.command}: internal error (a bug in d3d, not your input): {type(error).__name__}: "
+              f"{' '.join(str(error).split())}\nRun again with --debug for the traceback, and please report it.",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -125,7 +125,7 @@ class D3DAssistant:
             accepted += 1
         verify = time.perf_counter() - session.returned_at
         waited, hidden = self.source.observe([session.context], [accepted])
-        outcome = RoundOutcome(0, added[: accepted + 1], False, drafted=accepted, from_cache=session.hit)
+        outcome = RoundOutcome(0, added[: accepted + 1], False, accepted_drafts=accepted, from_cache=session.hit)
         self.generation_stats.add([outcome], int(session.looked_up), RoundTiming(verify, session.exposed + waited, hidden, 0.0))
         for token in added[accepted + 1 :]:  # rounds transformers ran without asking for drafts (one token left)
             self.generation_stats.add([RoundOutcome(0, [token], False)], 0, RoundTiming(0.0, 0.0, 0.0, 0.0))

@@ -2,8 +2,10 @@
 
 A pass writes each row's new keys and values at the cache columns the caller chooses (`write_index`), and attends
 over the first `kv_length` columns of every row, under a mask the caller builds (`masking_d3d.interval_mask`). A
-row's *committed* length is host bookkeeping: rejected tokens are rolled back by not counting them, and the next
-pass overwrites their columns. Nothing is reallocated, cropped or concatenated in a round.
+slot's *committed* length (`StaticKVCache.committed[slot]`, host bookkeeping, owned here and only here: the engine
+reads and advances the target's, the drafter sources their drafter's) is how many of its first columns hold its
+tokens; rejected tokens are rolled back by not counting them, and the next pass overwrites their columns. Nothing is
+reallocated, cropped or concatenated in a round.
 
 Column `c` of a row holds the token at position `c` for its committed (causal) part; block tokens of a drafting pass
 go to scratch columns after it, which are never committed.
@@ -28,13 +30,14 @@ class StaticKVCache:
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(text.num_hidden_layers)]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(text.num_hidden_layers)]
         self.slots, self.capacity, self.device = slots, capacity, torch.device(device)
+        self.committed = [0] * slots  # per slot: its columns 0..committed-1 hold its tokens at their positions
         self._rows, self._index, self._kv_length = slice(0, 0), None, 0
 
     def plan(self, rows: int, write_index: torch.Tensor, kv_length: int, first_row: int = 0) -> None:
         """Set up the next pass over slots `first_row..first_row + rows - 1`: `write_index` `(rows, width)` long cache
         columns, `kv_length` columns attended."""
         if first_row + rows > self.slots or kv_length > self.capacity:
-            raise ValueError(f"A pass over {rows} rows and {kv_length} columns does not fit a cache of {self.slots} "
+            raise RuntimeError(f"A pass over {rows} rows and {kv_length} columns does not fit a cache of {self.slots} "
                              f"slots x {self.capacity} columns")
         self._rows = slice(first_row, first_row + rows)
         self._kv_length = kv_length
@@ -51,13 +54,16 @@ class StaticKVCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._kv_length
 
-    def move_row(self, source: int, destination: int, length: int) -> None:
-        """Copy the first `length` columns of slot `source` into slot `destination` (a row leaving the batch)."""
-        if source == destination or length == 0:
+    def move_row(self, from_slot: int, to_slot: int) -> None:
+        """Copy the committed columns of slot `from_slot` (and its committed length) into slot `to_slot` (a row
+        changing slot when an earlier one leaves the batch)."""
+        length = self.committed[from_slot]
+        if from_slot == to_slot:
             return
+        self.committed[to_slot] = length
         for buffers in (self.keys, self.values):
             for layer in buffers:
-                layer[destination, :, :length] = layer[source, :, :length]
+                layer[to_slot, :, :length] = layer[from_slot, :, :length]
 
 
 __all__ = ["StaticKVCache"]

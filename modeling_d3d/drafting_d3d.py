@@ -1,4 +1,5 @@
-"""Batch-first drafting over a `StaticKVCache`: the block pass, branch planning and the packed successor pass.
+"""Batch-first drafting over a `StaticKVCache`: the block pass, branch planning and the packed successor pass (their
+layouts, run through `passes_d3d.run_pass`), and turning logits into drafts (`process`, `choose`).
 
 Every function takes all rows at once (a single prompt is a batch of one). A row is described by its drafter
 context (the tokens the drafter reads: its prompt, then the generated tokens; the last one is the anchor) and how
@@ -7,137 +8,16 @@ scratch columns after them and are never committed, so a pass leaves the committ
 commits (rollback by length).
 """
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 from transformers import LogitsProcessorList
 from transformers.generation import logits_process
 
 from .caches_d3d import StaticKVCache
-from .masking_d3d import interval_mask
+from .passes_d3d import PassLayout, fixed_shapes, run_pass
 
 
 CONTEXT_FREE_PROCESSORS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
                            "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper", "TopHLogitsWarper")
-
-
-@dataclass
-class PassLayout:
-    """Inputs of one pass over rows `0..rows-1`, all `(rows, width)` long on the host: ids, rotary positions, cache
-    columns written, and the visibility of each query (see `masking_d3d.interval_mask`)."""
-
-    ids: torch.Tensor
-    positions: torch.Tensor
-    write_index: torch.Tensor
-    prefix_end: torch.Tensor
-    own_start: torch.Tensor
-    own_end: torch.Tensor
-
-    @classmethod
-    def empty(cls, rows: int, width: int, fill_id: int) -> "PassLayout":
-        zeros = lambda: torch.zeros(rows, width, dtype=torch.long)  # noqa: E731
-        return cls(torch.full((rows, width), fill_id, dtype=torch.long), zeros(), zeros(), zeros(), zeros(), zeros())
-
-    @classmethod
-    def causal(cls, ids: torch.Tensor, starts: torch.Tensor) -> "PassLayout":
-        """Every row causal: ids `(rows, width)` at positions `starts[r]..` `(rows,)`, each written at the cache
-        column of its position and seeing its prefix (`put_causal` for all rows at once)."""
-        positions = starts[:, None] + torch.arange(ids.shape[1])
-        return cls(ids, positions, positions.clone(), positions + 1, torch.zeros_like(positions),
-                   torch.zeros_like(positions))
-
-    def put_causal(self, row: int, column: int, tokens: list[int], start: int) -> None:
-        """Tokens at positions `start..` written at the cache columns of their positions, each seeing its prefix."""
-        span = slice(column, column + len(tokens))
-        positions = torch.arange(start, start + len(tokens))
-        self.ids[row, span] = torch.tensor(tokens, dtype=torch.long)
-        self.positions[row, span] = positions
-        self.write_index[row, span] = positions
-        self.prefix_end[row, span] = positions + 1
-
-    def put_block(self, row: int, column: int, tokens: list[int] | torch.Tensor, anchor_position: int,
-                  cache_column: int, size: int) -> None:
-        """A block `[anchor, M, ...]` of `size` tokens in scratch columns `cache_column..`, seeing the prefix before
-        its anchor and itself."""
-        span = slice(column, column + size)
-        self.ids[row, span] = torch.as_tensor(tokens, dtype=torch.long)
-        self.positions[row, span] = torch.arange(anchor_position, anchor_position + size)
-        self.write_index[row, span] = torch.arange(cache_column, cache_column + size)
-        self.prefix_end[row, span] = anchor_position
-        self.own_start[row, span] = cache_column
-        self.own_end[row, span] = cache_column + size
-
-    def put_padding(self, row: int, columns: slice, cache_column: int) -> None:
-        """Unused input columns: written to scratch columns from `cache_column`, each seeing only itself."""
-        count = columns.stop - columns.start
-        if count <= 0:
-            return
-        scratch = torch.arange(cache_column, cache_column + count)
-        self.write_index[row, columns] = scratch
-        self.own_start[row, columns] = scratch
-        self.own_end[row, columns] = scratch + 1
-
-    def kv_length(self) -> int:
-        """Columns the pass must attend over: every column it writes or a query sees."""
-        return int(torch.maximum(self.write_index.max() + 1, self.prefix_end.max()))
-
-
-@torch.no_grad()
-def run_pass(model, cache: StaticKVCache, layout: PassLayout, logits_to_keep: int, first_row: int = 0,
-             forward=None) -> torch.Tensor:
-    """One forward of `model` (a target or a drafter) over `layout` on cache rows `first_row..`; returns the float32
-    logits of the last `logits_to_keep` input columns, `(rows, logits_to_keep, vocab)`. `forward`: a compiled
-    `model.forward` (`CompiledForward`) to use instead; with fixed shapes it attends over every cache column (else,
-    as eager passes, over the columns in use only)."""
-    device = cache.device
-    rows = layout.ids.shape[0]
-    kv_length = cache.capacity if fixed_shapes(forward) else layout.kv_length()
-    cache.plan(rows, layout.write_index, kv_length, first_row)
-    mask = interval_mask(
-        model.config, layout.prefix_end.to(device), layout.own_start.to(device), layout.own_end.to(device), kv_length,
-        model.dtype,
-    )
-    output = (forward or model)(
-        input_ids=layout.ids.to(device), position_ids=layout.positions.to(device),
-        attention_mask={"full_attention": mask}, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep,
-    )
-    return output.logits.float()
-
-
-@dataclass
-class CompiledForward:
-    """A compiled `model.forward`. With `fixed_shapes` (CUDA graphs, "reduce-overhead") every pass of a kind has one
-    shape: it attends over every cache column and drafting widths are padded to their largest round. Without
-    (inductor on CPUs), passes keep their eager shapes and the compiler marks the changing lengths dynamic after
-    the first change, so one compilation serves every length."""
-
-    function: Callable
-    fixed_shapes: bool
-
-    def __call__(self, **kwargs):
-        return self.function(**kwargs)
-
-
-def compiled_forward(model) -> CompiledForward:
-    """`model.forward` compiled: CUDA graphs with fixed shapes on CUDA, inductor with dynamic lengths elsewhere, its
-    wrapper code in C++ (`cpp_wrapper`: the kernels are the same, the per-call Python that launches them is gone)."""
-    if model.device.type == "cuda":
-        return CompiledForward(torch.compile(model.forward, mode="reduce-overhead", dynamic=False), True)
-    return CompiledForward(torch.compile(model.forward, options={"cpp_wrapper": True}), False)
-
-
-def fixed_shapes(forward) -> bool:
-    """Whether passes through `forward` (None: eager) must keep one shape."""
-    return getattr(forward, "fixed_shapes", False)
-
-
-def prefill(model, cache: StaticKVCache, slot: int, tokens: list[int]) -> None:
-    """Commit `tokens` (a prompt without its last token) to cache row `slot`, alone."""
-    if not tokens:
-        return
-    layout = PassLayout.causal(torch.tensor([tokens]), torch.zeros(1, dtype=torch.long))
-    run_pass(model, cache, layout, 1, first_row=slot)
 
 
 def block_layout_for_rows(contexts: list[list[int]], committed: list[int], block_size: int, mask_id: int,
@@ -147,7 +27,7 @@ def block_layout_for_rows(contexts: list[list[int]], committed: list[int], block
     columns (its size after any round), so that the shape stays the same from round to round (compiled passes)."""
     uncached = [len(context) - 1 - done for context, done in zip(contexts, committed)]
     if min(uncached) < 0:
-        raise ValueError("A drafter cache holds more tokens than its row's prefix before the anchor")
+        raise RuntimeError("A drafter cache holds more tokens than its row's prefix before the anchor")
     causal_width = max([block_size if fixed else 0, *uncached])
     fields = [], [], [], [], [], []  # ids, positions, write_index, prefix_end, own_start, own_end: one list per row
     for context, done, count in zip(contexts, committed, uncached):
@@ -253,7 +133,5 @@ def successor_pass(drafter, cache: StaticKVCache, contexts: list[list[int]], com
     return logits.reshape(len(contexts), blocks, block_size, -1)[:, :, 1:]
 
 
-__all__ = [
-    "CompiledForward", "PassLayout", "block_layout_for_rows", "compiled_forward", "fixed_shapes", "block_pass", "choose", "context_free", "plan_alternatives",
-    "prefill", "process", "run_pass", "successor_layout", "successor_pass",
-]
+__all__ = ["block_layout_for_rows", "block_pass", "choose", "context_free", "plan_alternatives", "process",
+           "successor_layout", "successor_pass"]

@@ -6,7 +6,9 @@
 
 Rows live in cache slots `0..rows-1` of a preallocated `StaticKVCache` per model; a round writes the target's
 `[anchor, drafts]` at each row's own columns and commits what it accepts by moving the row's length (nothing is
-cropped, concatenated or gathered). A row that leaves hands its slot to the last row (one row copy). Without a
+cropped, concatenated or gathered). When rows leave, the rows after them move up in order to fill slots
+`0..rows-1` (one row copy per moved row, `StaticKVCache.move_row`). A row's committed length lives in its cache
+(`StaticKVCache.committed[slot]`, the target's and the drafter's each). Without a
 source the engine decodes the target alone, one token per round, through the same loop. Every round is written to
 one `RoundRecord`, which the benchmark, the Space, the model card and the server read.
 """
@@ -22,8 +24,9 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 
 from .acceptance_d3d import greedy_accept, rejection_sample
 from .caches_d3d import StaticKVCache
-from .drafting_d3d import PassLayout, compiled_forward, prefill, process, run_pass
-from .sources_d3d import RowSampling, synchronize
+from .drafting_d3d import process
+from .passes_d3d import PassLayout, compiled_forward, prefill, run_pass
+from .sources_d3d import DrafterSource, DraftTiming, RowSampling, synchronize
 
 
 @dataclass
@@ -52,7 +55,8 @@ class RowSettings:
 @dataclass
 class Row:
     """One sequence: the target's prompt, the drafter's (the same, or the full prompt under selective prefill), the
-    tokens generated so far, how many of the target's tokens its cache has committed, and its generators."""
+    tokens generated so far, and its generators. Its target cache slot has committed every token before the anchor
+    (`len(tokens) - 1`: the engine's `cache.committed[slot]`)."""
 
     key: Hashable
     prompt: list[int]
@@ -61,7 +65,6 @@ class Row:
     sampling: RowSampling
     verify_rng: torch.Generator
     generated: list[int] = field(default_factory=list)
-    target_committed: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -79,13 +82,14 @@ class Row:
 
 @dataclass
 class RoundOutcome:
-    """What one round did to one row: the tokens it added, how many of them were drafts, whether it came from a
-    prepared branch, whether the row finished, or the error that ended it."""
+    """What one round did to one row: the tokens it added, how many of them were accepted drafts (the rest is the
+    target's own token), whether they came from a prepared branch, whether the row finished, or the error that ended
+    it."""
 
     key: Hashable
     added: list[int]
     finished: bool
-    drafted: int = 0
+    accepted_drafts: int = 0
     from_cache: bool = False
     error: Exception | None = None
 
@@ -188,7 +192,7 @@ class SpeculativeEngine:
     see `generation_d3d.make_source`). Not thread-safe: one caller drives it (`serving_d3d.D3DBatchServer` for many).
     """
 
-    def __init__(self, target, source=None, max_rows: int = 1, max_length: int = 2048, compile: bool = False,
+    def __init__(self, target, source: DrafterSource | None = None, max_rows: int = 1, max_length: int = 2048, compile: bool = False,
                  keep_rounds: int = 100_000):
         check_target(target)
         if source is not None:
@@ -245,7 +249,6 @@ class SpeculativeEngine:
             RowSampling(settings.logits_processor, settings.do_sample,
                         torch.Generator(device=draft_device).manual_seed(2 * seed)),
             torch.Generator(device=self.device).manual_seed(2 * seed + 1),
-            target_committed=len(prompt) - 1,
         )
         start = time.perf_counter()
         slot = len(self.rows)
@@ -262,13 +265,13 @@ class SpeculativeEngine:
 
     def _keep(self, indices: list[int]) -> None:
         """Keep the rows `indices` (in order), packing them into slots `0..len-1` (one row copy per moved row)."""
-        kept = set(indices)
-        for destination, source in enumerate(sorted(kept)):
-            if destination != source:
-                self.cache.move_row(source, destination, self.rows[source].target_committed)
+        kept = sorted(set(indices))
+        for to_slot, from_slot in enumerate(kept):
+            if to_slot != from_slot:
+                self.cache.move_row(from_slot, to_slot)
                 if self.source is not None:
-                    self.source.move(source, destination)
-        self.rows = [self.rows[i] for i in sorted(kept)]
+                    self.source.move(from_slot, to_slot)
+        self.rows = [self.rows[i] for i in kept]
 
     @torch.no_grad()
     def step(self) -> list[RoundOutcome]:
@@ -286,14 +289,14 @@ class SpeculativeEngine:
         logits = self._verify(proposal)
         synchronize(self.device)
         verify_seconds = time.perf_counter() - verify_start
-        outcomes, accepted_drafts = self._accept(proposal, logits)
-        waited, hidden = 0.0, 0.0
+        outcomes = self._accept(proposal, logits)
+        drafting = DraftTiming()
         if self.source is not None:
-            waited, hidden = self.source.observe(contexts, accepted_drafts)
+            drafting = self.source.observe(contexts, [outcome.accepted_drafts for outcome in outcomes])
         self._keep([i for i, outcome in enumerate(outcomes) if not outcome.finished])
-        exposed = (proposal.exposed_seconds if proposal is not None else 0.0) + waited
+        exposed = (proposal.exposed_seconds if proposal is not None else 0.0) + drafting.exposed
         total = time.perf_counter() - start
-        timing = RoundTiming(verify_seconds, exposed, hidden, max(total - verify_seconds - exposed, 0.0))
+        timing = RoundTiming(verify_seconds, exposed, drafting.hidden, max(total - verify_seconds - exposed, 0.0))
         self.record.add(outcomes, sum(proposal.looked_up) if proposal is not None else 0, timing)
         return outcomes
 
@@ -303,12 +306,13 @@ class SpeculativeEngine:
         ids = torch.tensor([[row.last_token] for row in self.rows], dtype=torch.long)
         if proposal is not None:
             ids = torch.cat([ids.to(self.device), proposal.drafts.to(self.device)], dim=1)
-        starts = torch.tensor([row.target_committed for row in self.rows], dtype=torch.long)
+        starts = torch.tensor(self.cache.committed[: len(self.rows)], dtype=torch.long)
         return run_pass(self.target, self.cache, PassLayout.causal(ids, starts), self.width, forward=self.forward)
 
-    def _accept(self, proposal, logits: torch.Tensor) -> tuple[list[RoundOutcome], list[int]]:
+    def _accept(self, proposal, logits: torch.Tensor) -> list[RoundOutcome]:
         """Process the target's logits per row, accept (greedy or rejection sampling, batched), read the result
-        once, then cut every row at its stop. Returns the outcomes and each row's accepted drafts."""
+        once, then cut every row at its stop; commit what each row keeps. Returns the outcomes (a failed row's
+        accepted drafts: 0)."""
         rows = len(self.rows)
         failed: dict[int, Exception] = dict(proposal.errors) if proposal is not None else {}
         if proposal is not None:
@@ -325,34 +329,32 @@ class SpeculativeEngine:
                     failed[r] = error
                     processed.append(logits[r])
             logits = torch.stack(processed)
-        accepted, tokens = greedy_accept(drafts, num_drafts, logits)
+        accepted_drafts, tokens = greedy_accept(drafts, num_drafts, logits)
         sampled = [r for r, row in enumerate(self.rows) if row.settings.do_sample and r not in failed]
         if sampled:
             index = torch.tensor(sampled, device=self.device)
             q = proposal.logits.to(self.device)[index] if proposal is not None else logits.new_zeros(len(sampled), 0, logits.shape[-1])
             sampled_accepted, sampled_tokens = rejection_sample(
                 drafts[index], num_drafts[index], q, logits[index], [self.rows[r].verify_rng for r in sampled])
-            accepted[index], tokens[index] = sampled_accepted, sampled_tokens
-        host = torch.cat([accepted[:, None], tokens], dim=1).cpu().tolist()  # the round's one device-to-host read
-        outcomes, kept = [], []
+            accepted_drafts[index], tokens[index] = sampled_accepted, sampled_tokens
+        host = torch.cat([accepted_drafts[:, None], tokens], dim=1).cpu().tolist()  # the round's one device-to-host read
+        outcomes = []
         for r, row in enumerate(self.rows):
             if r in failed:
                 outcomes.append(RoundOutcome(row.key, [], True, error=failed[r]))
-                kept.append(0)
                 continue
-            count = host[r][0]
+            accepted = host[r][0]
             try:
-                added, finished = self._stop(row, host[r][1 : count + 2], logits[r])
+                added, finished = self._stop(row, host[r][1 : accepted + 2], logits[r])
             except Exception as error:
                 outcomes.append(RoundOutcome(row.key, [], True, error=error))
-                kept.append(0)
                 continue
             row.generated += added
-            row.target_committed += len(added)
+            self.cache.committed[r] += len(added)
             hit = proposal is not None and proposal.hits[r]
-            outcomes.append(RoundOutcome(row.key, added, finished, drafted=min(count, len(added)), from_cache=hit))
-            kept.append(min(count, len(added)))
-        return outcomes, kept
+            outcomes.append(RoundOutcome(row.key, added, finished, accepted_drafts=min(accepted, len(added)),
+                                         from_cache=hit))
+        return outcomes
 
     @staticmethod
     def _stop(row: Row, added: list[int], logits: torch.Tensor) -> tuple[list[int], bool]:

@@ -6,42 +6,16 @@ until every row ends. Batches of left-padded prompts, greedy and sampling, strea
 custom stopping criteria, EOS and `max_new_tokens` behave as in the target's own `generate`.
 """
 
-import copy
-
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList, StopStringCriteria
-from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .engine_d3d import RoundRecord, RowSettings, SpeculativeEngine
-from .drafting_d3d import compiled_forward
-from .sources_d3d import DEFAULT_FANOUT, BlockSource, SuccessorSource
+from .engine_d3d import RoundRecord, SpeculativeEngine
+from .passes_d3d import compiled_forward
+from .settings_d3d import eos_ids, row_settings
+from .sources_d3d import DEFAULT_FANOUT, BlockSource, SuccessorSource, check_device
 
-# generate settings whose processors depend on the prompt's length (or, for repetition_penalty, its padding): built
-# per row when prompts are padded.
-LENGTH_DEPENDENT_SETTINGS = ("min_length", "min_new_tokens", "forced_eos_token_id", "begin_suppress_tokens",
-                             "exponential_decay_length_penalty", "repetition_penalty")
 COMPILE_LENGTH_BUCKET = 256
-UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
-
-
-def check_generation_settings(generation_config, synced_gpus: bool = False) -> None:
-    """Raise `ValueError` for `generate` settings the engine does not run (beam search, contrastive search, DoLa,
-    several sequences per prompt, per-step outputs, classifier-free guidance), never a silent substitute."""
-    mode = generation_config.get_generation_mode()
-    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
-        raise ValueError(f"D3D speculative decoding runs greedy decoding or sampling, not {mode.value.replace('_', ' ')} "
-                         f"(num_beams={generation_config.num_beams}); drop those settings or decode without a drafter")
-    if (generation_config.num_return_sequences or 1) > 1:
-        raise ValueError("num_return_sequences > 1 is not supported by D3D speculative decoding; repeat the prompt "
-                         "in the batch instead")
-    used = [name for name in UNSUPPORTED_OUTPUTS if getattr(generation_config, name, False)]
-    if used:
-        raise ValueError(f"{', '.join(used)} are not returned by D3D speculative decoding")
-    if generation_config.guidance_scale not in (None, 1.0):
-        raise ValueError("guidance_scale (classifier-free guidance) is not supported by D3D speculative decoding")
-    if synced_gpus:
-        raise ValueError("synced_gpus is not supported by D3D speculative decoding")
 
 
 def front_door_kwargs(generate_kwargs: dict) -> dict:
@@ -59,41 +33,15 @@ def front_door_kwargs(generate_kwargs: dict) -> dict:
     return kwargs
 
 
-def eos_ids(generation_config) -> frozenset[int]:
-    eos = getattr(generation_config, "_eos_token_tensor", None)
-    if eos is None:
-        eos = generation_config.eos_token_id
-    if eos is None:
-        return frozenset()
-    return frozenset(torch.as_tensor(eos).reshape(-1).tolist())
-
-
-def row_processors(model, generation_config, logits_processor: LogitsProcessorList, prompt: torch.Tensor,
-                   padded: bool, max_new_tokens: int | None = None) -> LogitsProcessorList:
-    """The processors of one row. When prompts are padded and a setting depends on the prompt's length, generate's
-    processors (built for the padded width) are rebuilt for this row's own length (and its own `max_length`, the
-    prompt + `max_new_tokens`, which `forced_eos_token_id` reads); processors a user passed in `logits_processor=`
-    are kept as they are."""
-    if not padded or not any(getattr(generation_config, name, None) for name in LENGTH_DEPENDENT_SETTINGS):
-        return logits_processor
-    if max_new_tokens is not None:
-        generation_config = copy.deepcopy(generation_config)
-        generation_config.max_length = prompt.shape[0] + max_new_tokens
-    built = model._get_logits_processor(generation_config, input_ids_seq_length=prompt.shape[0],
-                                        encoder_input_ids=prompt[None], device=prompt.device)
-    built_types = {type(p) for p in built}
-    return LogitsProcessorList([*built, *(p for p in logits_processor if type(p) not in built_types)])
-
-
 def make_source(drafter, asynchronous: bool, coverage, fanout, drafter_device, worker_threads, compile: bool = False):
     """The drafter source for these settings: None (the target alone), block drafting, or successor drafting;
-    `compile`: its drafting passes compiled (`drafting_d3d.compiled_forward`)."""
+    `compile`: its drafting passes compiled (`passes_d3d.compiled_forward`). drafter_device: where the drafter must
+    already be (`ValueError` otherwise; the user's model is never moved)."""
     if drafter is None:
         if asynchronous:
             raise ValueError("asynchronous=True needs drafter=<a D3DForBlockDiffusion>")
         return None
-    if drafter_device is not None:
-        drafter.to(drafter_device)
+    check_device(drafter, drafter_device)
     forward = compiled_forward(drafter) if compile else None
     if asynchronous:
         return SuccessorSource(drafter, coverage, fanout, worker_threads=worker_threads, forward=forward)
@@ -124,16 +72,16 @@ def speculative_generate(
 
     input_ids: `(batch, P)` prompts, left-padded with their `attention_mask`; each row is decoded as if alone.
     drafter: a `D3DForBlockDiffusion` (None: the target alone through the engine). asynchronous: successor drafting
-    on a worker thread (`coverage`, `fanout`, `drafter_device`, `worker_threads`). drafter_input_ids: `(1, L)` the
+    on a worker thread (`coverage`, `fanout`, `worker_threads`); drafter_device: where the drafter already is (checked,
+    never moved to). drafter_input_ids: `(1, L)` the
     prompt the drafter reads when the target reads a reduced one (selective prefill; batch of one). compile:
-    compiled verify and drafting passes (`drafting_d3d.compiled_forward`; the first calls compile). round_record: a `RoundRecord` to
+    compiled verify and drafting passes (`passes_d3d.compiled_forward`; the first calls compile). round_record: a `RoundRecord` to
     fill (also left in `drafter.generation_stats`). streamer: as generate passes it (it has put the prompt already);
     d3d_streamer: the same from a front door (`front_door_kwargs`: generate drops `streamer=` before calling a
     callable), which gets the prompt here.
     Returns `(batch, P + longest)` sequences, rows that end early padded with `pad_token_id` (or a
     `GenerateDecoderOnlyOutput` with `return_dict_in_generate=True`).
     """
-    check_generation_settings(generation_config, synced_gpus)
     put_prompt = streamer is None and d3d_streamer is not None
     streamer = streamer if streamer is not None else d3d_streamer
     batch = input_ids.shape[0]
@@ -144,7 +92,6 @@ def speculative_generate(
     attention_mask = model_kwargs.get("attention_mask")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    padded = bool((attention_mask == 0).any())
     prompts = [input_ids[r][attention_mask[r].bool()] for r in range(batch)]
     drafter_prompt = drafter_input_ids[0].tolist() if drafter_input_ids is not None else None
     max_new_tokens = generation_config.max_length - input_ids.shape[1]
@@ -162,10 +109,9 @@ def speculative_generate(
     generated: dict[int, list[int]] = {r: [] for r in range(batch)}
     try:
         for r, prompt in enumerate(prompts):
-            settings = RowSettings(max_new_tokens, bool(generation_config.do_sample), eos_ids(generation_config),
-                                   row_processors(model, generation_config, logits_processor, prompt, padded, max_new_tokens),
-                                   stopping_criteria)
-            engine.add(r, prompt.tolist(), settings, drafter_prompt)
+            engine.add(r, prompt.tolist(), row_settings(model, generation_config, prompt.tolist(), logits_processor,
+                                                        stopping_criteria, prepared_width=input_ids.shape[1],
+                                                        synced_gpus=synced_gpus), drafter_prompt)
         if put_prompt:
             streamer.put(input_ids.cpu())
         while len(engine):
@@ -198,5 +144,4 @@ def pad_outputs(input_ids: torch.LongTensor, generated: dict[int, list[int]], ge
     return torch.cat([input_ids, tail.to(input_ids.device)], dim=1)
 
 
-__all__ = ["LENGTH_DEPENDENT_SETTINGS", "check_generation_settings", "make_source", "speculative_generate",
-           "front_door_kwargs"]
+__all__ = ["make_source", "speculative_generate", "front_door_kwargs"]

@@ -1,12 +1,21 @@
 """The one attention rule of D3D, shared by packed training, block drafting and the packed successor pass.
 
-Every token of a forward pass is either *causal* (block id -1: prompt, response or accepted tokens) or belongs to
-diffusion block `k >= 0` (`[anchor, M, ..., M]`). The rule, for a query `q` and a key `kv` (absolute indices over
-cache + input):
+The rule, in one encoding (`sees`): query `q` may attend to key (or cache column) `kv` iff
 
-- causal query: sees causal keys `kv <= q`, never a block;
-- block-`k` query: sees causal keys `kv < visible_prefix[q]` (the prefix before its anchor) and every key of
-  block `k` (bidirectional), nothing else.
+    kv < prefix_end[q]   or   own_start[q] <= kv < own_end[q]
+
+- a *causal* token (prompt, response or accepted tokens) at index `t`: `prefix_end = t + 1`, its own range empty
+  (`own_start = own_end = 0`): it sees every key up to itself;
+- a token of a diffusion block `[anchor, M, ..., M]`: `prefix_end` = the index of the block's anchor (it sees the
+  causal prefix before the anchor) and `[own_start, own_end)` = its block's indices (bidirectional in the block).
+
+Training and the model's own passes describe tokens by role instead: `block_ids` (-1: causal, `k >= 0`: block `k`)
+and `visible_prefix` (a causal token: its index + 1; a block token: its anchor's index), as `block_layout` lays them
+out: causal tokens first, then blocks each in consecutive indices. `block_intervals` derives the rule's fields from
+them (`prefix_end = visible_prefix`; `own_*` = the span of the token's block), so both masks come from `sees`:
+`create_block_diffusion_mask` over the tokens' indices, `interval_mask` over the cache columns of the engine's
+passes (whose `passes_d3d.PassLayout` carries `prefix_end`, `own_start`, `own_end` directly, blocks in scratch
+columns).
 """
 
 from collections.abc import Callable
@@ -19,21 +28,37 @@ CAUSAL_BLOCK_ID = -1
 _MASK_CAPABLE_ATTENTION = ("sdpa", "eager", "flex_attention")
 
 
+def sees(kv_idx, prefix_end, own_start, own_end):
+    """The rule: key / column `kv_idx` is visible to a query with these fields (tensors broadcast)."""
+    return (kv_idx < prefix_end) | ((kv_idx >= own_start) & (kv_idx < own_end))
+
+
+def block_intervals(block_ids: torch.Tensor, visible_prefix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rule's fields `(prefix_end, own_start, own_end)`, each `(batch, length)`, of tokens described by role,
+    `block_ids` and `visible_prefix` `(batch, length)` laid out as `block_layout` does (each block in consecutive
+    indices, after the causal tokens it may see)."""
+    length = block_ids.shape[1]
+    index = torch.arange(length, device=block_ids.device).expand_as(block_ids)
+    starts_run = torch.ones_like(block_ids, dtype=torch.bool)
+    starts_run[:, 1:] = block_ids[:, 1:] != block_ids[:, :-1]
+    ends_run = torch.ones_like(block_ids, dtype=torch.bool)
+    ends_run[:, :-1] = block_ids[:, :-1] != block_ids[:, 1:]
+    run_start = torch.where(starts_run, index, 0).cummax(dim=-1).values
+    run_end = torch.where(ends_run, index + 1, length).flip(-1).cummin(dim=-1).values.flip(-1)
+    in_block = block_ids != CAUSAL_BLOCK_ID
+    return visible_prefix, torch.where(in_block, run_start, 0), torch.where(in_block, run_end, 0)
+
+
 def block_diffusion_mask_function(block_ids: torch.Tensor, visible_prefix: torch.Tensor) -> Callable:
-    """Mask function in the `transformers.masking_utils` convention (`True` = may attend).
+    """Mask function in the `transformers.masking_utils` convention (`True` = may attend): `sees` over the fields
+    `block_intervals` derives.
 
     block_ids, visible_prefix: `(batch, kv_length)`, indexed by absolute position over cache + input.
     """
+    prefix_end, own_start, own_end = block_intervals(block_ids, visible_prefix)
 
     def inner_mask(batch_idx, head_idx, q_idx, kv_idx):
-        q_block = block_ids[batch_idx, q_idx]
-        kv_block = block_ids[batch_idx, kv_idx]
-        kv_is_causal = kv_block == CAUSAL_BLOCK_ID
-        q_is_causal = q_block == CAUSAL_BLOCK_ID
-        causal_sees = q_is_causal & kv_is_causal & (kv_idx <= q_idx)
-        block_sees_prefix = ~q_is_causal & kv_is_causal & (kv_idx < visible_prefix[batch_idx, q_idx])
-        block_sees_itself = ~q_is_causal & (kv_block == q_block)
-        return causal_sees | block_sees_prefix | block_sees_itself
+        return sees(kv_idx, prefix_end[batch_idx, q_idx], own_start[batch_idx, q_idx], own_end[batch_idx, q_idx])
 
     return inner_mask
 
@@ -112,23 +137,21 @@ def interval_mask(
     kv_length: int,
     dtype: torch.dtype,
 ):
-    """The same rule in the cache columns of a `caches_d3d.StaticKVCache`, for the engine's passes.
+    """The rule (`sees`) in the cache columns of a `caches_d3d.StaticKVCache`, for the engine's passes.
 
     Query `(r, j)` sees column `c` iff `c < prefix_end[r, j]` (its causal prefix: causal columns hold the token at
-    that position) or `own_start[r, j] <= c < own_end[r, j]` (its own block, placed in scratch columns). A causal
-    token at position `t` has `prefix_end = t + 1` and an empty own range; a block token sees the prefix before its
-    anchor and its block. All three `(rows, width)` long. Returns `(rows, 1, width, kv_length)`: boolean for sdpa,
-    additive for eager.
+    that position) or `own_start[r, j] <= c < own_end[r, j]` (its own block, placed in scratch columns). All three
+    `(rows, width)` long. Returns `(rows, 1, width, kv_length)`: boolean for sdpa, additive for eager.
     """
     implementation = config._attn_implementation or "sdpa"
     if implementation not in ("sdpa", "eager"):
         raise ValueError(f"The D3D engine builds explicit masks for sdpa or eager attention, not {implementation!r}")
     columns = torch.arange(kv_length, device=prefix_end.device)[None, None, :]
-    visible = (columns < prefix_end[..., None]) | ((columns >= own_start[..., None]) & (columns < own_end[..., None]))
-    visible = visible[:, None]
+    visible = sees(columns, prefix_end[..., None], own_start[..., None], own_end[..., None])[:, None]
     if implementation == "sdpa":
         return visible
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, torch.finfo(dtype).min)
 
 
-__all__ = ["CAUSAL_BLOCK_ID", "block_diffusion_mask_function", "block_layout", "create_block_diffusion_mask", "interval_mask"]
+__all__ = ["CAUSAL_BLOCK_ID", "block_diffusion_mask_function", "block_intervals", "block_layout",
+           "create_block_diffusion_mask", "interval_mask", "sees"]

@@ -18,7 +18,8 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 
 from .network_d3d import check_compatibility
 from .engine_d3d import RoundRecord, RowSettings, SpeculativeEngine
-from .generation_d3d import check_generation_settings, eos_ids, make_source
+from .generation_d3d import make_source
+from .settings_d3d import row_settings
 from .sources_d3d import DEFAULT_FANOUT
 
 DEFAULT_MAX_LENGTH = 4096
@@ -128,6 +129,7 @@ class D3DBatchServer:
     verifies (`sources_d3d.SuccessorSource`, with `coverage` and `fanout`); max_length: the longest prompt + new
     tokens a request may reach (the static caches are sized for `max_batch_size` rows of it; default the target's
     positions, at most 4096); tokenizer: for requests with `stop_strings`. Use as a context manager or `close()`.
+    `engine`: the `SpeculativeEngine`, driven by the scheduler thread only (read it, do not step it).
     """
 
     def __init__(
@@ -149,8 +151,8 @@ class D3DBatchServer:
         self.max_batch_size = max_batch_size
         positions = getattr(target.config.get_text_config(), "max_position_embeddings", None) or DEFAULT_MAX_LENGTH
         max_length = min(positions, DEFAULT_MAX_LENGTH) if max_length is None else max_length
-        self._decoder = SpeculativeEngine(target, make_source(drafter, asynchronous, coverage, fanout, None, None),
-                                          max_rows=max_batch_size, max_length=max_length, keep_rounds=1000)
+        self.engine = SpeculativeEngine(target, make_source(drafter, asynchronous, coverage, fanout, None, None),
+                                        max_rows=max_batch_size, max_length=max_length, keep_rounds=1000)
         self._queues = _Queues([], {})
         self._next_id = 0
         self._condition = threading.Condition()
@@ -161,7 +163,7 @@ class D3DBatchServer:
     @property
     def stats(self) -> RoundRecord:
         """The engine's round record: totals over every round so far (tau = tokens per row per round)."""
-        return self._decoder.record
+        return self.engine.record
 
     def submit(
         self,
@@ -192,28 +194,14 @@ class D3DBatchServer:
             raise ValueError(f"Unknown generation settings: {', '.join(sorted(unused))}")
         if do_sample is not None:
             config.do_sample = do_sample
-        config.validate()
-        check_generation_settings(config)
         if eos_token_id is not None:
             config.eos_token_id = eos_token_id
-        # processors that need the EOS id (min_new_tokens, ...) read the prepared tensor, as generate prepares it
-        eos = sorted(eos_ids(config))
-        config._eos_token_tensor = torch.tensor(eos, device=self.target.device) if eos else None
-        processors = self.target._get_logits_processor(
-            generation_config=config,
-            input_ids_seq_length=len(prompt),
-            encoder_input_ids=torch.tensor([prompt]),
-            logits_processor=LogitsProcessorList(logits_processor or []),
-            device=str(self.target.device),
-        )
+        config.validate()
         if config.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need the tokenizer: D3DBatchServer(..., tokenizer=tokenizer)")
-        criteria = self.target._get_stopping_criteria(  # its EOS and length criteria are the engine's own
-            generation_config=config, stopping_criteria=StoppingCriteriaList(stopping_criteria or []),
-            tokenizer=self.tokenizer)
         seed = seed if seed is not None else int(torch.randint(2**62, (1,)))
-        settings = RowSettings(max_new_tokens, bool(config.do_sample), eos_ids(config), processors, criteria, seed)
-        self._decoder.check_request(prompt, settings)
+        settings = row_settings(self.target, config, prompt, logits_processor, stopping_criteria, self.tokenizer, seed)
+        self.engine.check_request(prompt, settings)
         with self._condition:
             if self._closed:
                 raise RuntimeError("This D3DBatchServer is closed")
@@ -235,10 +223,10 @@ class D3DBatchServer:
                 if not self._schedule_round():
                     break
             except Exception as error:
-                self._decoder.reset()
+                self.engine.reset()
                 self._end_all(error)
         self._end_all(CancelledError("the D3DBatchServer was closed"))
-        self._decoder.close()
+        self.engine.close()
 
     def _schedule_round(self) -> bool:
         """Drop cancelled rows, admit waiting requests, run one round; False once closed."""
@@ -252,10 +240,10 @@ class D3DBatchServer:
             waiting = [handle for handle in self._queues.waiting if not handle.done]
             free = self.max_batch_size - len(self._queues.active)
             admitted, self._queues.waiting = waiting[:free], waiting[free:]
-        self._decoder.remove(cancelled)
+        self.engine.remove(cancelled)
         for handle in admitted:
             try:
-                self._decoder.add(handle.request_id, handle.prompt, handle.settings)
+                self.engine.add(handle.request_id, handle.prompt, handle.settings)
             except Exception as error:  # this request cannot join: it fails, the others go on
                 handle._fail(error)
                 continue
@@ -266,9 +254,9 @@ class D3DBatchServer:
 
     def _round(self) -> None:
         try:
-            outcomes = self._decoder.step()
+            outcomes = self.engine.step()
         except Exception as error:  # a batched pass failed: its rows cannot be trusted, their requests fail
-            self._decoder.reset()
+            self.engine.reset()
             with self._condition:
                 failed, self._queues.active = list(self._queues.active.values()), {}
             for handle in failed:

@@ -1,10 +1,12 @@
 """Drafter sources: where the engine's candidates come from, behind one small interface.
 
-A source owns the drafter, its `StaticKVCache` and per-slot state; the engine owns the rows and their slots.
+A source owns the drafter, its `StaticKVCache` (whose `committed` lengths say what each slot's drafter cache holds)
+and per-slot state; the engine owns the rows and their slots. The interface is `DrafterSource`:
 
-- `allocate(slots, capacity)`, `add(slot, context)` (prefill), `move(source, destination)` (a row changing slot);
+- `allocate(slots, capacity)`, `add(slot, context)` (prefill), `move(from_slot, to_slot)` (a row changing slot);
 - `propose(contexts, sampling) -> Proposal`: drafts for every row (the context ends with the anchor);
-- `observe(contexts, accepted)`: how many of each row's drafts verification kept (the contexts before the round);
+- `observe(contexts, accepted_drafts) -> DraftTiming`: how many of each row's drafts verification accepted (the
+  contexts before the round);
 - `wait()` (let background drafting end), `close()`.
 
 `BlockSource` drafts one block per round, synchronously. `SuccessorSource` also prepares, on a worker thread while the
@@ -16,12 +18,14 @@ start with another prompt than the target's (the full one), which both sources r
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
 
 import torch
 from transformers import LogitsProcessorList
 
 from .caches_d3d import StaticKVCache
-from .drafting_d3d import block_pass, choose, context_free, plan_alternatives, prefill, process, successor_pass
+from .drafting_d3d import block_pass, choose, context_free, plan_alternatives, process, successor_pass
+from .passes_d3d import prefill
 
 DEFAULT_COVERAGE = 12
 DEFAULT_FANOUT = 2
@@ -60,6 +64,47 @@ class Proposal:
     errors: dict[int, Exception] = field(default_factory=dict)
 
 
+class DraftTiming(NamedTuple):
+    """What `observe` reports of a round's drafting: seconds the target waited for (exposed) and seconds that ran
+    while it verified (hidden)."""
+
+    exposed: float = 0.0
+    hidden: float = 0.0
+
+
+class DrafterSource(Protocol):
+    """Where the engine's candidates come from (`BlockSource`, `SuccessorSource`). Slots are the engine's: row `r` of
+    every call is the row in slot `r`; contexts are drafter contexts (the last token is the anchor)."""
+
+    drafter: torch.nn.Module
+    block_size: int
+    cache: StaticKVCache | None
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def allocate(self, slots: int, capacity: int) -> None:
+        """Caches for `slots` rows of contexts up to `capacity` tokens."""
+
+    def add(self, slot: int, context: list[int]) -> None:
+        """Prefill a new row's context (all but its anchor) in `slot`."""
+
+    def move(self, from_slot: int, to_slot: int) -> None:
+        """A row changes slot (an earlier row left)."""
+
+    def propose(self, contexts: list[list[int]], sampling: list["RowSampling"]) -> "Proposal":
+        """Drafts for every row."""
+
+    def observe(self, contexts: list[list[int]], accepted_drafts: list[int]) -> DraftTiming:
+        """How many of each row's proposed drafts verification accepted; `contexts` as given to `propose`."""
+
+    def wait(self) -> None:
+        """Let background drafting end."""
+
+    def close(self) -> None:
+        """Release what the source holds (its worker)."""
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued work on `device` (CUDA runs asynchronously), so wall-clock timings are real."""
     if device.type == "cuda":
@@ -89,36 +134,59 @@ def drafts_from_logits(raw: torch.Tensor, contexts: list[list[int]], sampling: l
     return torch.stack(drafts), torch.stack(rows)
 
 
+def check_device(drafter, device) -> None:
+    """Raise `ValueError` unless `drafter` is on `device` (None: anywhere). A source never moves the model it is
+    given: place it first, `drafter.to(device)`."""
+    if device is None:
+        return
+    wanted, actual = torch.device(device), drafter.get_input_embeddings().weight.device
+    if wanted.type != actual.type or (wanted.index is not None and wanted.index != actual.index):
+        raise ValueError(f"The drafter is on {actual}, not {wanted}: move it there first (drafter.to({str(wanted)!r})); "
+                         "D3D does not move a model it is given")
+
+
+def check_max_drafts(block_size: int, max_drafts: int | None) -> int:
+    """`max_drafts` checked (`ValueError` unless an integer in `1..B - 1`); None: `B - 1`."""
+    if max_drafts is None:
+        return block_size - 1
+    if isinstance(max_drafts, bool) or not isinstance(max_drafts, int) or not 1 <= max_drafts <= block_size - 1:
+        raise ValueError(f"max_drafts must be an integer in 1..{block_size - 1}, got {max_drafts!r}")
+    return max_drafts
+
+
 class BlockSource:
-    """Synchronous block drafting: each round one block pass drafts `B - 1` tokens for every row."""
+    """Synchronous block drafting: each round one block pass drafts `B - 1` tokens for every row, of which the
+    engine verifies the first `max_drafts` (default all; fewer: a smaller block than the drafter's trained one)."""
 
     scratch_blocks = 2  # the block and the padding of a block pass, beyond a row's context
 
-    def __init__(self, drafter, forward=None):
+    def __init__(self, drafter, forward=None, max_drafts: int | None = None):
         if drafter.config.mask_token_id is None:
             raise ValueError("The drafter has no mask_token_id; it cannot draft blocks")
         self.drafter, self.forward = drafter, forward
         self.block_size = drafter.config.block_size
+        self.max_drafts = check_max_drafts(self.block_size, max_drafts)
         self.cache: StaticKVCache | None = None
-        self.committed: list[int] = []
 
     @property
     def device(self) -> torch.device:
         return self.drafter.get_input_embeddings().weight.device
 
+    @property
+    def committed(self) -> list[int]:
+        """Per slot, the tokens its drafter cache holds (the cache's own `committed`)."""
+        return self.cache.committed
+
     def allocate(self, slots: int, capacity: int) -> None:
         """A cache for `slots` rows of contexts up to `capacity` tokens (plus this source's scratch columns)."""
         columns = capacity + self.scratch_blocks * self.block_size
         self.cache = StaticKVCache(self.drafter.config, slots, columns, self.device, self.drafter.dtype)
-        self.committed = [0] * slots
 
     def add(self, slot: int, context: list[int]) -> None:
         prefill(self.drafter, self.cache, slot, context[:-1])
-        self.committed[slot] = len(context) - 1
 
-    def move(self, source: int, destination: int) -> None:
-        self.cache.move_row(source, destination, self.committed[source])
-        self.committed[destination] = self.committed[source]
+    def move(self, from_slot: int, to_slot: int) -> None:
+        self.cache.move_row(from_slot, to_slot)
 
     def propose(self, contexts: list[list[int]], sampling: list[RowSampling]) -> Proposal:
         start = time.perf_counter()
@@ -126,7 +194,7 @@ class BlockSource:
         drafts, logits = self._draft_all(contexts, sampling, errors)
         synchronize(self.device)
         rows = len(contexts)
-        return Proposal(drafts, torch.full((rows,), self.block_size - 1, device=drafts.device),
+        return Proposal(drafts, torch.full((rows,), self.max_drafts, device=drafts.device),
                         logits if any(s.do_sample for s in sampling) else None, [False] * rows, [False] * rows,
                         time.perf_counter() - start, errors=errors)
 
@@ -134,15 +202,15 @@ class BlockSource:
                    errors: dict[int, Exception] | None = None):
         """One block pass for every row: drafts `(rows, B - 1)` and their processed logits (see
         `drafts_from_logits` for `errors`)."""
-        raw = block_pass(self.drafter, self.cache, contexts, self.committed[: len(contexts)], self.forward)
+        raw = block_pass(self.drafter, self.cache, contexts, self.cache.committed[: len(contexts)], self.forward)
         for row, context in enumerate(contexts):
-            self.committed[row] = len(context) - 1
+            self.cache.committed[row] = len(context) - 1
         return drafts_from_logits(raw, contexts, sampling, errors)
 
-    def observe(self, contexts: list[list[int]], accepted: list[int]) -> tuple[float, float]:
-        """Nothing to do: the cache holds each row's tokens before its old anchor, a prefix of its new context.
-        Returns the drafting seconds the target waited for here and those hidden behind verification (none)."""
-        return 0.0, 0.0
+    def observe(self, contexts: list[list[int]], accepted_drafts: list[int]) -> DraftTiming:
+        """Nothing to do: the cache holds each row's tokens before its old anchor, a prefix of its new context; no
+        drafting ran here or hid behind verification."""
+        return DraftTiming()
 
     def wait(self) -> None:
         """Nothing runs in the background."""
@@ -175,8 +243,8 @@ class PreparedBranches:
 class SuccessorSource(BlockSource):
     """Asynchronous successor drafting. coverage `C` and fanout `F`: branches for the first `C - 1` rejection
     positions times the `F` most probable other drafter tokens, plus the full-acceptance branch (budget
-    `B((C - 1)F + 2)` tokens a row). device: where the drafter runs (e.g. `"cuda:1"` beside a target on `cuda:0`);
-    on CUDA the worker uses its own stream. worker_threads: torch threads of the worker (CPU-only machines).
+    `B((C - 1)F + 2)` tokens a row). device: where the drafter runs (e.g. `"cuda:1"` beside a target on `cuda:0`),
+    checked, never moved to (`check_device`); on CUDA the worker uses its own stream. worker_threads: torch threads of the worker (CPU-only machines).
 
     Each `propose` serves every row from its branches when the verified tokens match one (a hit: no drafting
     pass), drafts the others with one block pass, then queues the packed successor pass for the new drafts on the
@@ -184,14 +252,15 @@ class SuccessorSource(BlockSource):
     """
 
     def __init__(self, drafter, coverage: int | None = None, fanout: int = DEFAULT_FANOUT, device=None,
-                 worker_threads: int | None = None, forward=None):
+                 worker_threads: int | None = None, forward=None, max_drafts: int | None = None):
         block_size = drafter.config.block_size
         coverage = min(DEFAULT_COVERAGE, block_size) if coverage is None else coverage
         check_budget(block_size, coverage, fanout)
         if worker_threads is not None and (isinstance(worker_threads, bool) or not isinstance(worker_threads, int)
                                            or worker_threads < 1):
             raise ValueError(f"worker_threads must be an integer >= 1, got {worker_threads!r}")
-        super().__init__(drafter.to(device) if device is not None else drafter, forward)
+        check_device(drafter, device)
+        super().__init__(drafter, forward, max_drafts)
         self.coverage, self.fanout = coverage, fanout
         self.budget_tokens = block_size * ((coverage - 1) * fanout + 2)
         self.scratch_blocks = (coverage - 1) * fanout + 4
@@ -215,10 +284,10 @@ class SuccessorSource(BlockSource):
         super().add(slot, context)
         self.branches[slot] = None
 
-    def move(self, source: int, destination: int) -> None:
+    def move(self, from_slot: int, to_slot: int) -> None:
         self.wait()
-        super().move(source, destination)
-        self.branches[destination] = self.branches[source]
+        super().move(from_slot, to_slot)
+        self.branches[to_slot] = self.branches[from_slot]
 
     def propose(self, contexts: list[list[int]], sampling: list[RowSampling]) -> Proposal:
         if self._closed:
@@ -238,16 +307,16 @@ class SuccessorSource(BlockSource):
             drafts, processed = self._draft_all(contexts, sampling, errors)
             ranked = self._ranked(processed)
             logits = processed if sampled else None
-        counts = [width] * rows
+        counts = [self.max_drafts] * rows
         for r, index in enumerate(found):
             if index is None:
                 continue
             branch = self.branches[r]
-            counts[r] = branch.counts[index]
+            counts[r] = min(branch.counts[index], self.max_drafts)
             drafts[r], ranked[r] = branch.tokens[index], branch.ranked[index]
             if logits is not None and branch.logits is not None:
                 logits[r] = branch.logits[index]
-            self.committed[r] = len(contexts[r]) - 1  # the successor pass cached its context before the anchor
+            self.cache.committed[r] = len(contexts[r]) - 1  # the successor pass cached its context before the anchor
         self.branches[:rows] = [None] * rows
         num_drafts = torch.tensor(counts, device=drafts.device)
         synchronize(self.device)
@@ -295,7 +364,7 @@ class SuccessorSource(BlockSource):
             row_anchors.append((row_drafts[-1], len(row_drafts) - 1))
             anchors.append(row_anchors)
             keys.append(row_keys)
-        raw = successor_pass(self.drafter, self.cache, contexts, self.committed[:rows], draft_lists, anchors,
+        raw = successor_pass(self.drafter, self.cache, contexts, self.cache.committed[:rows], draft_lists, anchors,
                              self.forward)
         prepared = []
         for r in range(rows):
@@ -324,19 +393,19 @@ class SuccessorSource(BlockSource):
         return PreparedBranches(len(context), keys, tokens, counts, ranked_tokens,
                                 processed if row_sampling.do_sample else None)
 
-    def observe(self, contexts: list[list[int]], accepted: list[int]) -> tuple[float, float]:
+    def observe(self, contexts: list[list[int]], accepted_drafts: list[int]) -> DraftTiming:
         """Join the worker; commit each row's context and accepted drafts; keep the branches. Returns the seconds
         waited for the worker (drafting the target did not hide) and the worker's seconds hidden behind it."""
         if self._pending is None:
-            return 0.0, 0.0
+            return DraftTiming()
         start = time.perf_counter()
         pending, self._pending = self._pending, None
         prepared, worker_seconds = pending.result()
         waited = time.perf_counter() - start
-        for r, (context, kept) in enumerate(zip(contexts, accepted)):
-            self.committed[r] = len(context) + kept
+        for r, (context, accepted) in enumerate(zip(contexts, accepted_drafts)):
+            self.cache.committed[r] = len(context) + accepted
             self.branches[r] = prepared[r]
-        return waited, max(worker_seconds - waited, 0.0)
+        return DraftTiming(waited, max(worker_seconds - waited, 0.0))
 
     def wait(self) -> None:
         """Let a running worker pass end and drop its branches (its error is raised here)."""
@@ -352,5 +421,6 @@ class SuccessorSource(BlockSource):
             self._executor.shutdown(wait=True, cancel_futures=True)
 
 
-__all__ = ["BlockSource", "DEFAULT_COVERAGE", "DEFAULT_FANOUT", "PreparedBranches", "Proposal", "RowSampling",
-           "SuccessorSource", "check_budget", "drafts_from_logits", "synchronize"]
+__all__ = ["BlockSource", "DEFAULT_COVERAGE", "DEFAULT_FANOUT", "DraftTiming", "DrafterSource", "PreparedBranches",
+           "Proposal", "RowSampling", "SuccessorSource", "check_budget", "check_device", "check_max_drafts", "drafts_from_logits",
+           "synchronize"]

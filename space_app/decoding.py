@@ -12,9 +12,11 @@ drafter's own (remote) code, so the folder runs as a Space on its own.
 import importlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from types import ModuleType
+from typing import NamedTuple
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList
+from transformers import GenerationConfig
 
 DRAFT, CACHE, TARGET = "draft", "cache", "target"
 MAX_NEW_TOKENS = 512
@@ -71,18 +73,27 @@ def encode_prompt(tokenizer, prompt: str | None) -> torch.LongTensor:
     return torch.tensor([list(ids)], dtype=torch.long)
 
 
-def engine_modules(drafter):
-    """The drafter's own `engine_d3d` and `sources_d3d` modules (its remote code when loaded from the Hub)."""
+class EngineModules(NamedTuple):
+    """The drafter's own (remote-code) modules the Space runs."""
+
+    engine: ModuleType
+    sources: ModuleType
+    settings: ModuleType
+
+
+def engine_modules(drafter) -> EngineModules:
+    """The drafter's own `engine_d3d`, `sources_d3d` and `settings_d3d` modules (its remote code when loaded from the
+    Hub)."""
     package = type(drafter).__module__.rpartition(".")[0]
-    return importlib.import_module(f"{package}.engine_d3d"), importlib.import_module(f"{package}.sources_d3d")
+    return EngineModules(*(importlib.import_module(f"{package}.{name}_d3d") for name in ("engine", "sources", "settings")))
 
 
 def token_kinds(outcome) -> list[str]:
     """How each token of one round (a `RoundOutcome`) came: its accepted drafts, `CACHE` when a prepared branch
     served the round else `DRAFT`, then the target's own token, `TARGET` (none when the length limit cut the round
     inside the drafts)."""
-    drafted = CACHE if outcome.from_cache else DRAFT
-    return [drafted] * outcome.drafted + [TARGET] * (len(outcome.added) - outcome.drafted)
+    kind = CACHE if outcome.from_cache else DRAFT
+    return [kind] * outcome.accepted_drafts + [TARGET] * (len(outcome.added) - outcome.accepted_drafts)
 
 
 @dataclass
@@ -178,35 +189,13 @@ class LiveDecode:
         return len(self.tokens) / self.seconds if self.seconds else float("nan")
 
 
-class DraftLimit:
-    """A drafter source proposing at most `drafts` tokens a round (the Space's block size `b < B`): the engine
-    verifies only the first `drafts` of each proposal. Everything else is the wrapped source's."""
-
-    def __init__(self, source, drafts: int):
-        self.source, self.drafts = source, drafts
-
-    def propose(self, contexts: list[list[int]], sampling):
-        proposal = self.source.propose(contexts, sampling)
-        proposal.num_drafts = proposal.num_drafts.clamp(max=self.drafts)
-        return proposal
-
-    def __getattr__(self, name: str):
-        return getattr(self.source, name)
-
-
-def row_settings(engine_module, target, prompt_ids: torch.LongTensor, settings: Settings):
-    """The engine's `RowSettings` for `settings`: the target's logits processors and EOS as `generate` builds them
-    from its generation config (greedy at temperature 0, else sampling at `temperature`)."""
+def row_settings(drafter, target, prompt_ids: torch.LongTensor, settings: Settings):
+    """The engine's `RowSettings` for `settings`, from the target's generation config as `generate` builds them
+    (the drafter's own `settings_d3d.row_settings`): greedy at temperature 0, else sampling at `temperature`."""
     config = GenerationConfig.from_dict(target.generation_config.to_dict())
     sampling = {"do_sample": False} if settings.temperature == 0 else {"do_sample": True, "temperature": settings.temperature}
     config.update(max_new_tokens=settings.max_new_tokens, **sampling)
-    processors = target._get_logits_processor(
-        generation_config=config, input_ids_seq_length=prompt_ids.shape[1], encoder_input_ids=prompt_ids,
-        logits_processor=LogitsProcessorList(), device=str(target.device),
-    )
-    eos = config.eos_token_id
-    eos_ids = frozenset(torch.as_tensor(eos).reshape(-1).tolist()) if eos is not None else frozenset()
-    return engine_module.RowSettings(settings.max_new_tokens, bool(config.do_sample), eos_ids, processors)
+    return engine_modules(drafter).settings.row_settings(target, config, prompt_ids[0].tolist())
 
 
 def check_prompt_length(target, prompt_ids: torch.LongTensor, max_new_tokens: int) -> None:
@@ -248,16 +237,15 @@ def decode_live(target, drafter, tokenizer, prompt_ids: torch.LongTensor, settin
     through a `SuccessorSource` (coverage, fanout; `block_size - 1` drafts a round), or the target alone
     (`draft=False`). Yields the `LiveDecode` after every round, finished (`done`) on the last yield. Closing the
     iterator stops after the current round; an error of a round reaches the consumer."""
-    engine_module, sources_module = engine_modules(drafter)
+    modules = engine_modules(drafter)
     source = None
     if draft:
-        successor = sources_module.SuccessorSource(drafter, settings.coverage, settings.fanout)
-        source = successor if settings.block_size == drafter.config.block_size else DraftLimit(
-            successor, settings.block_size - 1)
-    engine = engine_module.SpeculativeEngine(target, source, max_length=prompt_ids.shape[1] + settings.max_new_tokens)
+        source = modules.sources.SuccessorSource(drafter, settings.coverage, settings.fanout,
+                                                 max_drafts=settings.block_size - 1)
+    engine = modules.engine.SpeculativeEngine(target, source, max_length=prompt_ids.shape[1] + settings.max_new_tokens)
     live = LiveDecode(tokenizer, engine.record)
     try:
-        engine.add(0, prompt_ids[0].tolist(), row_settings(engine_module, target, prompt_ids, settings))
+        engine.add(0, prompt_ids[0].tolist(), row_settings(drafter, target, prompt_ids, settings))
         while len(engine):
             for outcome in engine.step():
                 if outcome.error is not None:
@@ -271,7 +259,7 @@ def decode_live(target, drafter, tokenizer, prompt_ids: torch.LongTensor, settin
 
 
 __all__ = [
-    "CACHE", "DRAFT", "TARGET", "MAX_FANOUT", "MAX_NEW_TOKENS", "MAX_TEMPERATURE", "Detokenizer", "DraftLimit",
+    "CACHE", "DRAFT", "TARGET", "MAX_FANOUT", "MAX_NEW_TOKENS", "MAX_TEMPERATURE", "Detokenizer", "EngineModules",
     "LiveDecode", "Round", "Settings", "check_prompt_length", "check_settings", "compare_live", "decode_live",
     "encode_prompt", "engine_modules", "prepare_request", "row_settings", "token_kinds", "whole_number",
 ]

@@ -3,6 +3,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from cli.main import main
 
 ROOT = Path(__file__).parents[1]
@@ -55,3 +57,34 @@ def test_missing_training_data_fails_before_the_target_loads(tmp_path):
 def test_debug_shows_the_traceback(tmp_path):
     result = d3d("--debug", "push", "no-such-drafter", "me/repo", cwd=tmp_path)
     assert result.returncode == 1 and "Traceback" in result.stderr and "FileNotFoundError" in result.stderr
+
+
+
+def test_an_internal_error_is_reported_as_a_bug_with_a_debug_hint_not_as_a_user_error(monkeypatch, capsys):
+    """An internal invariant (RuntimeError, AssertionError) is not dressed as bad input: exit 1, `internal error`,
+    a hint to rerun with --debug; with --debug, the exception itself."""
+    import cli.demo
+    import torch
+    from transformers import Qwen3Config
+
+    from modeling_d3d.caches_d3d import StaticKVCache
+
+    config = Qwen3Config(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=4)
+
+    def broken_run(args):  # a real internal invariant failing inside a command: a pass that does not fit its cache
+        StaticKVCache(config, 1, 4, "cpu", torch.float32).plan(2, torch.zeros(2, 1, dtype=torch.long), 2)
+
+    monkeypatch.setattr(cli.demo, "run", broken_run)
+    assert main(["demo"]) == 1
+    error = capsys.readouterr().err
+    assert error.startswith("d3d demo: internal error") and "RuntimeError" in error and "--debug" in error
+    assert "Traceback" not in error and ": error:" not in error
+
+    def failed_assertion(args):
+        assert False, "rows out of order"
+
+    monkeypatch.setattr(cli.demo, "run", failed_assertion)
+    assert main(["demo"]) == 1 and "AssertionError: rows out of order" in capsys.readouterr().err
+    with pytest.raises(AssertionError, match="rows out of order"):
+        main(["--debug", "demo"])

@@ -297,3 +297,38 @@ def test_compiled_passes_are_token_identical_to_the_targets_own_generate(setup):
         assert torch.equal(out, reference), ids.shape
         compared += 1
     assert compared >= 5
+
+
+MIN_PATHS = ["generate_batch", "custom_generate", "async", "alone"]
+
+
+def run_min_path(path: str, target, drafter, ids: torch.Tensor, mask: torch.Tensor, **kwargs) -> torch.Tensor:
+    if path == "generate_batch":
+        return drafter.generate_batch(target, ids, attention_mask=mask, **kwargs)
+    return target.generate(ids, attention_mask=mask, custom_generate=speculative_generate,
+                           drafter=None if path == "alone" else drafter, asynchronous=path == "async", **kwargs)
+
+
+@pytest.mark.parametrize("setting", ["min_new_tokens", "min_length", "forced_eos_token_id"])
+@pytest.mark.parametrize("path", MIN_PATHS)
+def test_a_rows_minimum_length_counts_from_its_own_prompt_in_a_left_padded_batch(setting, path):
+    """generate prepares `min_length = min_new_tokens + padded width` before calling a custom_generate; a short row's
+    minimum must not grow by its padding. EOS falls inside the window the padding would add (after the minimum,
+    before minimum + padding), so a row held off EOS by its padding runs on: token identity with the target's own
+    batched float32 generate."""
+    target, drafter = pair(*PAIRS[2])
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, PAIRS[2][0], (n,), generator=generator) for n in (2, 13, 7)]
+    ids, mask = left_pad(prompts)
+    width, minimum = ids.shape[1], 2
+    unstopped = target.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    short = unstopped[0, width:].tolist()
+    eos = next(t for j, t in enumerate(short) if j >= minimum and t not in short[:j])  # first seen after the minimum
+    length = {"min_new_tokens": dict(min_new_tokens=minimum), "min_length": dict(min_length=width + minimum),
+              "forced_eos_token_id": dict(min_new_tokens=minimum, forced_eos_token_id=eos)}[setting]
+    kwargs = dict(max_new_tokens=16, do_sample=False, eos_token_id=eos, pad_token_id=eos, **length)
+    reference = target.generate(ids, attention_mask=mask, **kwargs)
+    ends = reference[0, width:].tolist().index(eos) + 1
+    assert minimum < ends <= minimum + width - len(prompts[0])  # the short row ends inside the padding's window
+    out = run_min_path(path, target, drafter, ids, mask, **kwargs)
+    assert torch.equal(out, reference), (out[:, width:], reference[:, width:])

@@ -36,10 +36,10 @@ def space_models(tmp_path_factory):
 def test_token_kinds_split_accepted_drafts_from_the_target_token(space_models):
     _, drafter, _ = space_models
     outcome = engine_modules(drafter)[0].RoundOutcome
-    assert token_kinds(outcome(0, [5, 6, 9], False, drafted=2)) == [DRAFT, DRAFT, TARGET]
-    assert token_kinds(outcome(0, [5, 6, 7, 8, 4], False, drafted=4, from_cache=True)) == [CACHE] * 4 + [TARGET]
-    assert token_kinds(outcome(0, [3], True, drafted=0, from_cache=True)) == [TARGET]
-    assert token_kinds(outcome(0, [5, 6], True, drafted=2)) == [DRAFT, DRAFT]  # the length limit cut the drafts
+    assert token_kinds(outcome(0, [5, 6, 9], False, accepted_drafts=2)) == [DRAFT, DRAFT, TARGET]
+    assert token_kinds(outcome(0, [5, 6, 7, 8, 4], False, accepted_drafts=4, from_cache=True)) == [CACHE] * 4 + [TARGET]
+    assert token_kinds(outcome(0, [3], True, accepted_drafts=0, from_cache=True)) == [TARGET]
+    assert token_kinds(outcome(0, [5, 6], True, accepted_drafts=2)) == [DRAFT, DRAFT]  # the length limit cut the drafts
 
 
 def matched_drafts(drafter, context: list[int], added: list[int], limit: int) -> int:
@@ -67,11 +67,11 @@ def test_live_kinds_and_statistics_agree_with_the_engine_and_the_target(space_mo
     assert live.tau == pytest.approx(len(reference) / len(live.rounds))
     context = prompt_ids[0].tolist()
     for round_, outcome in zip(live.rounds, outcomes):
-        assert round_.kinds == [CACHE if outcome.from_cache else DRAFT] * outcome.drafted + [TARGET] * (
-            len(round_.tokens) - outcome.drafted)
+        assert round_.kinds == [CACHE if outcome.from_cache else DRAFT] * outcome.accepted_drafts + [TARGET] * (
+            len(round_.tokens) - outcome.accepted_drafts)
         assert round_.served == ("cache hit" if outcome.from_cache else "drafting pass")
         if not outcome.from_cache:  # a drafting pass: its accepted drafts are the drafter's block draft's own
-            assert outcome.drafted == matched_drafts(drafter, context, round_.tokens, BLOCK_SIZE - 1)
+            assert outcome.accepted_drafts == matched_drafts(drafter, context, round_.tokens, BLOCK_SIZE - 1)
         context += round_.tokens
     assert all(kinds[-1] == TARGET for kinds in (r.kinds for r in live.rounds[:-1]))
     assert {DRAFT, CACHE, TARGET} <= set(live.kinds), "these tiny models agree often enough to show every kind"
