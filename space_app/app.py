@@ -14,12 +14,12 @@ if __package__:
     from .decoding import MAX_FANOUT, MAX_NEW_TOKENS, MAX_TEMPERATURE, Settings, compare_live, prepare_request, whole_number
     from .loading import DEFAULT_QUEUE_SIZE, add_arguments, devices, load_models, model_sources
     from .prefill_view import prefill_preview
-    from .render import legend_html, rounds_svg, stats_html, tokens_html
+    from .render import TOKENS_CSS, legend_html, rounds_svg, stats_html, tokens_html
 else:  # beside its modules as the root of a Space
     from decoding import MAX_FANOUT, MAX_NEW_TOKENS, MAX_TEMPERATURE, Settings, compare_live, prepare_request, whole_number
     from loading import DEFAULT_QUEUE_SIZE, add_arguments, devices, load_models, model_sources
     from prefill_view import prefill_preview
-    from render import legend_html, rounds_svg, stats_html, tokens_html
+    from render import TOKENS_CSS, legend_html, rounds_svg, stats_html, tokens_html
 
 INTRO = """# D3D: Decoupled Diffusion Drafting
 The drafter proposes a block of `b - 1` tokens in one forward pass; the target verifies it (lossless: greedy output is
@@ -73,10 +73,10 @@ def build_demo(
         with gr.Row():
             with gr.Column():
                 gr.Markdown("### Target alone")
-                target_text = gr.HTML(tokens_html(None, "target"), elem_id="target-text")
+                target_text = gr.HTML(tokens_html(None, "target"), elem_id="target-text", css_template=TOKENS_CSS)
             with gr.Column():
                 gr.Markdown("### D3D async")
-                d3d_text = gr.HTML(tokens_html(None, "d3d"), elem_id="d3d-text")
+                d3d_text = gr.HTML(tokens_html(None, "d3d"), elem_id="d3d-text", css_template=TOKENS_CSS)
         stats = gr.HTML(stats_html(None, None), elem_id="stats")
         plot = gr.HTML(rounds_svg(None, trained_block_size), elem_id="rounds-plot")
         inputs = [prompt, block_size, coverage, fanout, temperature, max_new_tokens]
