@@ -25,6 +25,16 @@ INTRO = """# D3D: Decoupled Diffusion Drafting
 The drafter proposes a block of `b - 1` tokens in one forward pass; the target verifies it (lossless: greedy output is
 the target's own). The target alone runs first, then D3D async on the same prompt, so neither slows the other down."""
 
+# Prompts like the quickstart's training text (standard-library code, pydoc prose), which any code model continues.
+EXAMPLES = {
+    "stdlib code: re.escape": 'def escape(pattern):\n    """Escape special characters in a string.\n    """\n',
+    "stdlib code: heapq.heapify": 'def heapify(x):\n    """Transform list into a heap, in-place, in O(len(x)) time.\n    """\n',
+    "pydoc prose: the for statement": (
+        'The "for" statement\n*******************\n\nThe "for" statement is used to iterate over the elements of a '
+        "sequence\n(such as a string, tuple or list) or other iterable object:\n"
+    ),
+}
+
 
 def build_demo(
     target, drafter, tokenizer, concurrency_limit: int = 2, queue_size: int = DEFAULT_QUEUE_SIZE
@@ -52,8 +62,9 @@ def build_demo(
     with gr.Blocks(title="D3D: Decoupled Diffusion Drafting") as demo:
         gr.Markdown(INTRO)
         with gr.Row():
-            prompt = gr.Textbox(label="Prompt", lines=3, scale=4, elem_id="prompt")
+            prompt = gr.Textbox(value=next(iter(EXAMPLES.values())), label="Prompt", lines=3, scale=4, elem_id="prompt")
             run = gr.Button("Generate", variant="primary", scale=1, elem_id="generate")
+        gr.Examples([[text] for text in EXAMPLES.values()], [prompt], example_labels=list(EXAMPLES), elem_id="examples")
         with gr.Accordion("Settings", open=True):
             with gr.Row():
                 block_size = gr.Slider(

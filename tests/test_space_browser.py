@@ -17,7 +17,7 @@ from space_helpers import PROMPT, code_piece_tokenizer, greedy_text, load_tiny_m
 pytest.importorskip("gradio", reason="the Space needs the `space` extra (gradio)")
 webdriver = pytest.importorskip("selenium.webdriver", reason="the browser test needs selenium (the `dev` extra)")
 
-from space_app.app import build_demo  # noqa: E402  (after the skips above)
+from space_app.app import EXAMPLES, build_demo  # noqa: E402  (after the skips above)
 from space_app.render import KINDS  # noqa: E402
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
@@ -128,6 +128,13 @@ def test_a_prompt_streams_coloured_tokens_and_statistics_in_the_browser(browser,
         browser.get(url)
         prompt = wait_for(lambda: browser.find_elements("css selector", "#prompt textarea"), 30, "the page")[0]
         assert set(browser.execute_script(STATS).values()) == {"–"}
+        examples = list(EXAMPLES.values())
+        assert prompt.get_property("value") == examples[0], "the page opens with the first example"
+        buttons = browser.find_elements("css selector", "#examples button")
+        assert [button.text for button in buttons] == list(EXAMPLES)
+        buttons[1].click()
+        wait_for(lambda: prompt.get_property("value") == examples[1], 30, "the second example to load")
+        prompt.clear()
         prompt.send_keys(PROMPT)
         browser.find_element("css selector", "#generate").click()
 
