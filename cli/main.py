@@ -15,7 +15,7 @@ from .errors import UserError
 
 COMMANDS = {
     "quickstart": ("quickstart", "the embedded default end to end: target, assistant, drafter, benchmark"),
-    "demo": ("demo", "speculative decoding on tiny random models, checked against the target"),
+    "demo": ("demo", "the target alone beside D3D on the quickstart's models (else tiny random ones), checked against the target"),
     "generate-data": ("generate_data", "regenerate responses with the target (resumable)"),
     "train": ("train", "train a D3D drafter for a target (diffusion + AR loss)"),
     "prune": ("prune", "acceptance-guided layer pruning with distillation recovery"),

@@ -14,16 +14,26 @@ if __package__:
     from .decoding import MAX_FANOUT, MAX_NEW_TOKENS, MAX_TEMPERATURE, Settings, compare_live, prepare_request, whole_number
     from .loading import DEFAULT_QUEUE_SIZE, add_arguments, devices, load_models, model_sources
     from .prefill_view import prefill_preview
-    from .render import legend_html, rounds_svg, stats_html, tokens_html
+    from .render import TOKENS_CSS, legend_html, rounds_svg, stats_html, tokens_html
 else:  # beside its modules as the root of a Space
     from decoding import MAX_FANOUT, MAX_NEW_TOKENS, MAX_TEMPERATURE, Settings, compare_live, prepare_request, whole_number
     from loading import DEFAULT_QUEUE_SIZE, add_arguments, devices, load_models, model_sources
     from prefill_view import prefill_preview
-    from render import legend_html, rounds_svg, stats_html, tokens_html
+    from render import TOKENS_CSS, legend_html, rounds_svg, stats_html, tokens_html
 
 INTRO = """# D3D: Decoupled Diffusion Drafting
 The drafter proposes a block of `b - 1` tokens in one forward pass; the target verifies it (lossless: greedy output is
 the target's own). The target alone runs first, then D3D async on the same prompt, so neither slows the other down."""
+
+# Prompts like the quickstart's training text (standard-library code, pydoc prose), which any code model continues.
+EXAMPLES = {
+    "stdlib code: re.escape": 'def escape(pattern):\n    """Escape special characters in a string.\n    """\n',
+    "stdlib code: heapq.heapify": 'def heapify(x):\n    """Transform list into a heap, in-place, in O(len(x)) time.\n    """\n',
+    "pydoc prose: the for statement": (
+        'The "for" statement\n*******************\n\nThe "for" statement is used to iterate over the elements of a '
+        "sequence\n(such as a string, tuple or list) or other iterable object:\n"
+    ),
+}
 
 
 def build_demo(
@@ -52,8 +62,9 @@ def build_demo(
     with gr.Blocks(title="D3D: Decoupled Diffusion Drafting") as demo:
         gr.Markdown(INTRO)
         with gr.Row():
-            prompt = gr.Textbox(label="Prompt", lines=3, scale=4, elem_id="prompt")
+            prompt = gr.Textbox(value=next(iter(EXAMPLES.values())), label="Prompt", lines=3, scale=4, elem_id="prompt")
             run = gr.Button("Generate", variant="primary", scale=1, elem_id="generate")
+        gr.Examples([[text] for text in EXAMPLES.values()], [prompt], example_labels=list(EXAMPLES), elem_id="examples")
         with gr.Accordion("Settings", open=True):
             with gr.Row():
                 block_size = gr.Slider(
@@ -73,10 +84,10 @@ def build_demo(
         with gr.Row():
             with gr.Column():
                 gr.Markdown("### Target alone")
-                target_text = gr.HTML(tokens_html(None, "target"), elem_id="target-text")
+                target_text = gr.HTML(tokens_html(None, "target"), elem_id="target-text", css_template=TOKENS_CSS)
             with gr.Column():
                 gr.Markdown("### D3D async")
-                d3d_text = gr.HTML(tokens_html(None, "d3d"), elem_id="d3d-text")
+                d3d_text = gr.HTML(tokens_html(None, "d3d"), elem_id="d3d-text", css_template=TOKENS_CSS)
         stats = gr.HTML(stats_html(None, None), elem_id="stats")
         plot = gr.HTML(rounds_svg(None, trained_block_size), elem_id="rounds-plot")
         inputs = [prompt, block_size, coverage, fanout, temperature, max_new_tokens]

@@ -10,10 +10,11 @@ import math
 
 if __package__:
     from .decoding import check_prompt_length, encode_prompt
+    from .render import TEXT_STYLE
 else:  # beside its modules as the root of a Space
     from decoding import check_prompt_length, encode_prompt
+    from render import TEXT_STYLE
 
-TEXT_STYLE = "white-space: pre-wrap; font-family: ui-monospace, monospace; line-height: 1.7; color: #111827"
 CONTEXT_TOKENS = 8  # decoded before each chunk: its leading space, and a character split over up to 4 byte tokens
 MAX_CHUNKS = 1024  # chunks one preview shows (each a span of about 200 bytes of HTML beside its text)
 

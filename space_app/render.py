@@ -2,7 +2,9 @@
 
 Every token is a `<span class="d3d-token d3d-KIND" data-kind="KIND">`, KIND one of `draft` (an accepted draft token
 from a drafting pass), `cache` (an accepted draft token of a round served from a cache hit) and `target` (the
-target's own token). Statistics cells carry `data-stat="COLUMN-NAME"` so that a browser or a client can read them.
+target's own token), its text exactly the token's. Text wraps anywhere, whitespace runs included (`break-spaces`),
+so nothing leaves its panel; spaces and tabs show their colour, and an empty `<span class="d3d-eol">` before each
+newline shows `↵` through `TOKENS_CSS` (the panel's CSS), outside the text. Statistics cells carry `data-stat="COLUMN-NAME"` so that a browser or a client can read them.
 """
 
 import html
@@ -19,14 +21,20 @@ KINDS = {
     TARGET: ("the target's own token", "#fde68a"),
 }
 SERVED_COLOURS = {"cache hit": "#22c55e", "drafting pass": "#3b82f6", "no draft": "#f59e0b"}
-TEXT_STYLE = "white-space: pre-wrap; font-family: ui-monospace, monospace; line-height: 1.7; color: #111827"
+TEXT_STYLE = (
+    "white-space: break-spaces; overflow-wrap: anywhere; font-family: ui-monospace, monospace; line-height: 1.7; "
+    "color: #111827"
+)
+NEWLINE_MARK = "↵"
+TOKENS_CSS = f'.d3d-eol::before {{ content: "{NEWLINE_MARK}"; color: #6b7280; }}'
 
 
 def token_span(text: str, kind: str) -> str:
     title, colour = KINDS[kind]
+    marked = '<span class="d3d-eol"></span>\n'.join(html.escape(line) for line in text.split("\n"))
     return (
         f'<span class="d3d-token d3d-{kind}" data-kind="{kind}" title="{title}" '
-        f'style="background-color: {colour}; border-radius: 3px">{html.escape(text)}</span>'
+        f'style="background-color: {colour}; border-radius: 3px">{marked}</span>'
     )
 
 
@@ -43,7 +51,9 @@ def tokens_html(live: LiveDecode | None, column: str) -> str:
 
 
 def legend_html() -> str:
-    return " ".join(token_span(title, kind) for kind, (title, _) in KINDS.items())
+    spans = " ".join(token_span(title, kind) for kind, (title, _) in KINDS.items())
+    return f'{spans} <span style="color: #6b7280">&nbsp; {NEWLINE_MARK} a newline</span>'
+
 
 
 STATS = {
@@ -124,4 +134,4 @@ def rounds_svg(d3d: LiveDecode | None, block_size: int) -> str:
     )
 
 
-__all__ = ["KINDS", "SERVED_COLOURS", "STATS", "legend_html", "rounds_svg", "stats_html", "token_span", "tokens_html"]
+__all__ = ["KINDS", "NEWLINE_MARK", "SERVED_COLOURS", "STATS", "TEXT_STYLE", "TOKENS_CSS", "legend_html", "rounds_svg", "stats_html", "token_span", "tokens_html"]

@@ -129,3 +129,10 @@ def run_without_project(code: str, *args: str, cwd) -> subprocess.CompletedProce
         text=True,
         timeout=300,
     )
+
+
+def demo_table(out: str) -> dict[str, dict[str, str]]:
+    """The rows of the table `d3d demo` prints: method -> {column: cell}."""
+    lines = [line.strip("|").split("|") for line in out.splitlines() if line.startswith("| ")]
+    header, *rows = ([cell.strip() for cell in line] for line in lines)
+    return {row[0]: dict(zip(header[1:], row[1:])) for row in rows}

@@ -5,6 +5,9 @@ import socket
 from html.parser import HTMLParser
 from pathlib import Path
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
 from conftest import tiny_target, word_tokenizer
 from modeling_d3d import D3DForBlockDiffusion
 from space_app.loading import load_models
@@ -13,10 +16,24 @@ BLOCK_SIZE = 5
 PROMPT = "w1 w2 w3 w4"
 
 
-def save_tiny_models(folder: Path, seed: int = 0) -> tuple[Path, Path]:
-    """A tiny target with a word tokenizer, and a D3D drafter started from the same weights (so that it often
-    agrees), saved as `folder/target` and `folder/drafter` (with its remote code)."""
-    tokenizer = word_tokenizer(num_words=8, words=("reserved_0",))
+# Tokens as a byte-level BPE writes code: long runs with no break opportunity, runs of spaces, newlines, tabs.
+CODE_PIECES = ("w0", "w1", "w2", "w3", "w4", "_C_C_C_C", "self.assertEqual", "__init__", " " * 8, "    ", "\n", "\n\n", "\t", "reserved_0")
+
+
+def code_piece_tokenizer(pieces: tuple[str, ...] = CODE_PIECES) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer (prompts split on whitespace; unknown words are `pieces[0]`) whose tokens decode
+    verbatim and run together, so that generated text has the unbreakable runs and whitespace runs of code."""
+    backend = Tokenizer(models.WordLevel(vocab={piece: i for i, piece in enumerate(pieces)}, unk_token=pieces[0]))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>")
+
+
+def save_tiny_models(folder: Path, seed: int = 0, tokenizer=None) -> tuple[Path, Path]:
+    """A tiny target with `tokenizer` (default: a word tokenizer), and a D3D drafter started from the same weights
+    (so that it often agrees), saved as `folder/target` and `folder/drafter` (with its remote code); its token
+    `reserved_0` is the drafter's mask."""
+    tokenizer = tokenizer or word_tokenizer(num_words=8, words=("reserved_0",))
     target = tiny_target(seed, vocab_size=len(tokenizer))
     drafter = D3DForBlockDiffusion.from_backbone(target, block_size=BLOCK_SIZE, tokenizer=tokenizer)
     target.save_pretrained(folder / "target")
@@ -25,9 +42,9 @@ def save_tiny_models(folder: Path, seed: int = 0) -> tuple[Path, Path]:
     return folder / "target", folder / "drafter"
 
 
-def load_tiny_models(folder: Path):
+def load_tiny_models(folder: Path, seed: int = 0, tokenizer=None):
     """(target, drafter, tokenizer) saved by `save_tiny_models` and loaded by the Space's own loader."""
-    return load_models(*map(str, save_tiny_models(folder)))
+    return load_models(*map(str, save_tiny_models(folder, seed, tokenizer)))
 
 
 def greedy_text(target, tokenizer, prompt: str, max_new_tokens: int) -> tuple[list[int], str]:
@@ -64,11 +81,14 @@ class PageReader(HTMLParser):
         self.stats: dict[str, str] = {}
         self.bars: list[tuple[int, str]] = []
         self._open: tuple[str, str] | None = None
+        self._depth = 0  # elements open inside the open token or cell
         self.feed(markup)
 
     def handle_starttag(self, tag, attrs):
         attrs = dict(attrs)
-        if "data-round" in attrs:
+        if self._open is not None:  # an element inside a token (the newline mark) or a cell
+            self._depth += 1
+        elif "data-round" in attrs:
             self.bars.append((int(attrs["data-added"]), attrs["data-served"]))
         elif "data-kind" in attrs:
             self._open = ("kind", attrs["data-kind"])
@@ -78,7 +98,10 @@ class PageReader(HTMLParser):
             self.stats[attrs["data-stat"]] = ""
 
     def handle_endtag(self, tag):
-        self._open = None
+        if self._depth:
+            self._depth -= 1
+        else:
+            self._open = None
 
     def handle_data(self, data):
         if self._open is None:
@@ -94,4 +117,4 @@ class PageReader(HTMLParser):
         return "".join(text for _, text in self.spans)
 
 
-__all__ = ["BLOCK_SIZE", "PROMPT", "PageReader", "free_port", "greedy_text", "load_tiny_models", "save_tiny_models", "served"]
+__all__ = ["BLOCK_SIZE", "CODE_PIECES", "PROMPT", "code_piece_tokenizer", "PageReader", "free_port", "greedy_text", "load_tiny_models", "save_tiny_models", "served"]

@@ -5,15 +5,30 @@ from pathlib import Path
 
 import pytest
 
+from cli.demo import RANDOM_NOTE, SPEEDUP_NOTE
 from cli.main import main
+from conftest import demo_table
 
 ROOT = Path(__file__).parents[1]
 
 
-def test_demo_runs_and_reports_lossless_output(capsys):
+def test_demo_without_trained_models_says_so_in_one_line_and_runs_random_ones(capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # no d3d-output/ here
     assert main(["demo", "--prompts", "2", "--max-new-tokens", "20", "--block-size", "4", "--vocab-size", "6"]) == 0
-    table = capsys.readouterr().out
-    assert "| D3D drafter, B=4 |" in table and table.rstrip().endswith("| True |")
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == RANDOM_NOTE and SPEEDUP_NOTE in out.splitlines()
+    rows = demo_table(out)
+    assert list(rows) == ["target alone: generate (baseline)", "D3D sync, B=4", "D3D async, B=4 C=4 F=2"]
+    assert rows["target alone: generate (baseline)"]["speedup"] == "1.00x"
+    assert all(row["identical"] == "True" for row in rows.values())
+
+
+def test_demo_refuses_half_given_models_and_random_only_settings(tmp_path):
+    assert_one_line_error(d3d("demo", "--target", "t", cwd=tmp_path), "demo", "give both --target and --drafter")
+    assert_one_line_error(d3d("demo", "--random", "--target", "t", "--drafter", "d", cwd=tmp_path), "demo",
+                          "--random runs random models")
+    assert_one_line_error(d3d("demo", "--target", "t", "--drafter", "d", "--block-size", "4", cwd=tmp_path), "demo",
+                          "apply to random models only")
 
 
 def test_bench_needs_no_training_extras():

@@ -5,8 +5,10 @@ import re
 
 import pytest
 
+from cli.demo import RANDOM_NOTE, SPEEDUP_NOTE
 from cli.dtype import choose_dtype
-from conftest import run_without_project
+from cli.main import main
+from conftest import demo_table, run_without_project
 from quickstart.corpus import function_prompts, humaneval_prompts, pydoc_prompts, split_topics, training_texts
 from quickstart.pipeline import MICRO, run_quickstart
 
@@ -75,6 +77,22 @@ def test_the_model_card_usage_snippet_runs_as_written(output):
     result = run_without_project(snippet, cwd=output.parent)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().startswith("def fibonacci(n):")
+
+
+def test_demo_uses_the_quickstart_models_in_d3d_output(output, capsys, monkeypatch, tmp_path):
+    (tmp_path / "d3d-output").symlink_to(output)
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo", "--prompts", "2", "--max-new-tokens", "16"]) == 0
+    out = capsys.readouterr().out
+    assert RANDOM_NOTE not in out and SPEEDUP_NOTE in out.splitlines()
+    assert out.splitlines()[:2] == ["models: target d3d-output/target, drafter d3d-output/drafter",
+                                    "prompts: 1 HumanEval, 1 held-out pydoc topics"]
+    block_size = json.loads((output / "drafter" / "config.json").read_text())["block_size"]
+    rows = demo_table(out)
+    assert list(rows) == ["target alone: generate (baseline)", f"D3D sync, B={block_size}",
+                          f"D3D async, B={block_size} C={block_size} F=2"]
+    assert all(row["identical"] == "True" for row in rows.values())
+    assert humaneval_prompts()[0] in out  # the first prompt and its output
 
 
 def test_a_second_run_reuses_finished_stages(output):

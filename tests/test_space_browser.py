@@ -1,7 +1,9 @@
 """The Space in a real headless browser (Debian's chromium through Selenium): a prompt goes in, tokens stream out
-coloured by how they came, the statistics fill in, and the text equals the target's own greedy output.
+coloured by how they came, the statistics fill in, and the text equals the target's own greedy output; at a narrow
+and a wide window every token lies inside its panel, including long runs without a break and runs of whitespace
+(the models write with code-like tokens, `space_helpers.CODE_PIECES`).
 
-The screenshot is saved as `test-artifacts/space.png` under the repository root.
+Screenshots are saved as `test-artifacts/space-WIDTH.png` under the repository root.
 """
 
 import shutil
@@ -10,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from space_helpers import PROMPT, greedy_text, load_tiny_models, served
+from space_helpers import PROMPT, code_piece_tokenizer, greedy_text, load_tiny_models, served
 
 pytest.importorskip("gradio", reason="the Space needs the `space` extra (gradio)")
 webdriver = pytest.importorskip("selenium.webdriver", reason="the browser test needs selenium (the `dev` extra)")
 
-from space_app.app import build_demo  # noqa: E402  (after the skips above)
+from space_app.app import EXAMPLES, build_demo  # noqa: E402  (after the skips above)
 from space_app.render import KINDS  # noqa: E402
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
@@ -33,6 +35,24 @@ return Array.from(document.querySelectorAll('.d3d-text')).map(column => ({
 }));
 """
 BARS = "return Array.from(document.querySelectorAll('#rounds-plot rect')).map(r => Number(r.dataset.added));"
+# Each token's line boxes (a wrapped token has several) against its panel's box, and the page's width.
+LAYOUT = """
+return {
+    pageWidth: document.documentElement.clientWidth,
+    scrollWidth: document.documentElement.scrollWidth,
+    panels: Array.from(document.querySelectorAll('.d3d-text')).map(panel => {
+        const box = panel.getBoundingClientRect();
+        return {
+            column: panel.dataset.column, left: box.left, right: box.right, top: box.top, bottom: box.bottom,
+            tokens: Array.from(panel.querySelectorAll('[data-kind]')).map(span => ({
+                text: span.textContent,
+                boxes: Array.from(span.getClientRects()).map(r => [r.left, r.right, r.top, r.bottom]),
+            })),
+        };
+    }),
+};
+"""
+WINDOW_WIDTHS = (480, 1400)  # Gradio stacks the two columns below about 640 px and puts them side by side above
 STATS = "return Object.fromEntries(Array.from(document.querySelectorAll('[data-stat]')).map(c => [c.dataset.stat, c.textContent]));"
 
 
@@ -49,7 +69,7 @@ def browser(tmp_path):
     options.binary_location = CHROMIUM
     for flag in (
         "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-sync",
-        "--disable-background-networking", "--disable-component-update", "--window-size=1400,1500",
+        "--disable-background-networking", "--disable-component-update", f"--window-size={WINDOW_WIDTHS[-1]},1500",
         f"--user-data-dir={tmp_path / 'chromium-profile'}",
     ):
         options.add_argument(flag)
@@ -83,13 +103,38 @@ def wait_for(condition, timeout: float, what: str):
     pytest.fail(f"timed out after {timeout} s waiting for {what}")
 
 
+def tokens_outside_their_panel(layout: dict) -> list[str]:
+    """What lies outside where it should: a token line box outside its panel, a panel outside the page, or a page
+    wider than the window (half a pixel of rounding allowed)."""
+    problems = []
+    if layout["scrollWidth"] > layout["pageWidth"]:
+        problems.append(f"the page is {layout['scrollWidth']} px wide in a {layout['pageWidth']} px window")
+    for panel in layout["panels"]:
+        if panel["left"] < -0.5 or panel["right"] > layout["pageWidth"] + 0.5:
+            problems.append(f"the {panel['column']} panel spans {panel['left']}..{panel['right']} px")
+        for token in panel["tokens"]:
+            for left, right, top, bottom in token["boxes"]:
+                if (left < panel["left"] - 0.5 or right > panel["right"] + 0.5 or top < panel["top"] - 0.5
+                        or bottom > panel["bottom"] + 0.5):
+                    problems.append(f"{panel['column']} token {token['text']!r} at {left:.0f}..{right:.0f} px, its "
+                                    f"panel {panel['left']:.0f}..{panel['right']:.0f} px")
+    return problems
+
+
 def test_a_prompt_streams_coloured_tokens_and_statistics_in_the_browser(browser, tmp_path):
-    target, drafter, tokenizer = load_tiny_models(tmp_path)
+    target, drafter, tokenizer = load_tiny_models(tmp_path, seed=2, tokenizer=code_piece_tokenizer())  # seed 2 writes every kind of run
     _, reference = greedy_text(target, tokenizer, PROMPT, MAX_NEW_TOKENS)
     with served(build_demo(target, drafter, tokenizer)) as url:
         browser.get(url)
         prompt = wait_for(lambda: browser.find_elements("css selector", "#prompt textarea"), 30, "the page")[0]
         assert set(browser.execute_script(STATS).values()) == {"–"}
+        examples = list(EXAMPLES.values())
+        assert prompt.get_property("value") == examples[0], "the page opens with the first example"
+        buttons = browser.find_elements("css selector", "#examples button")
+        assert [button.text for button in buttons] == list(EXAMPLES)
+        buttons[1].click()
+        wait_for(lambda: prompt.get_property("value") == examples[1], 30, "the second example to load")
+        prompt.clear()
         prompt.send_keys(PROMPT)
         browser.find_element("css selector", "#generate").click()
 
@@ -103,9 +148,19 @@ def test_a_prompt_streams_coloured_tokens_and_statistics_in_the_browser(browser,
         columns = wait_for(finished, 60, "D3D to finish")
         stats = browser.execute_script(STATS)
         bars = browser.execute_script(BARS)
-        browser.set_window_size(1400, browser.execute_script("return document.documentElement.scrollHeight") + 160)
         ARTIFACTS.mkdir(exist_ok=True)
-        browser.save_screenshot(str(ARTIFACTS / "space.png"))
+        layouts = {}
+        for width in WINDOW_WIDTHS:
+            browser.set_window_size(width, 1500)
+            browser.set_window_size(width, browser.execute_script("return document.documentElement.scrollHeight") + 160)
+            layouts[width] = browser.execute_script(LAYOUT)
+            browser.save_screenshot(str(ARTIFACTS / f"space-{width}.png"))
+
+    longest_run = max(len(run) for run in reference.split())
+    assert longest_run > 80 and " " * 8 in reference and "\n" in reference, "the text has what must wrap"
+    for width, layout in layouts.items():
+        assert len(layout["panels"]) == 2 and all(panel["tokens"] for panel in layout["panels"])
+        assert tokens_outside_their_panel(layout) == [], f"at a {width} px window"
 
     streamed = [state for state in states if 0 < state["target"][1] and state["d3d"][0] != "done"]
     assert streamed, "tokens appeared before the end of generation"
@@ -124,4 +179,4 @@ def test_a_prompt_streams_coloured_tokens_and_statistics_in_the_browser(browser,
     assert stats["d3d-tau"] == f"{MAX_NEW_TOKENS / rounds:.2f}"
     assert bars == round_lengths(kinds), "one bar per round, as tall as the tokens it added"
     assert stats["d3d-hit-rate"].endswith("%") and stats["d3d-tok-s"] != "–" and stats["d3d-speedup"].endswith("x")
-    assert (ARTIFACTS / "space.png").stat().st_size > 10_000
+    assert all((ARTIFACTS / f"space-{width}.png").stat().st_size > 10_000 for width in WINDOW_WIDTHS)
