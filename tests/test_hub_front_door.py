@@ -78,6 +78,9 @@ GREEDY = """
     out = target.generate(ids, attention_mask=mask, drafter=mine, **hub, **settings)
     assert mine.generation_stats.new_tokens > 0 and target.d3d_drafter is drafter
     assert torch.equal(target.state_dict()["lm_head.weight"], state["lm_head.weight"])
+    mine.save_pretrained("resaved")  # saved again from its remote code: the front door travels with it
+    front_door = "/custom_generate/generate.py"
+    assert open("resaved" + front_door).read() == open(drafter_folder + front_door).read()
 
     # the target in bfloat16: the drafter is loaded again, in bfloat16
     target.to(torch.bfloat16)
