@@ -13,22 +13,22 @@ DATASETS = {"humaneval": "openai/openai_humaneval", "pydoc": "pydoc_data"}
 METRICS = {"tau": "acceptance length τ", "speedup": "speedup over the target", "hit_rate": "cache-hit rate"}
 
 USAGE = """```python
-from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
 target = AutoModelForCausalLM.from_pretrained("{target}")
 tokenizer = AutoTokenizer.from_pretrained("{target}")
-drafter = AutoModel.from_pretrained("{repo}", trust_remote_code=True)
 ids = tokenizer("def fibonacci(n):", return_tensors="pt").input_ids
-# the D3D engine (one target pass a round over static caches; batches of left-padded prompts too):
-out = drafter.generate_batch(target, ids, max_new_tokens=64, do_sample=False)
-print(tokenizer.decode(out[0]))
-print(f"tokens per round: {{drafter.generation_stats.tau:.2f}}")
+# the D3D engine as a decoding method of the target's own generate (this repo's custom_generate/ folder):
+out = target.generate(ids, custom_generate="{repo}", trust_remote_code=True, max_new_tokens=64,
+                      stop_strings=["\\n\\n"], tokenizer=tokenizer, streamer=TextStreamer(tokenizer))
+print(f"tokens per round: {{target.d3d_drafter.generation_stats.tau:.2f}}")   # the drafter it loaded, reused
 
-# asynchronous drafting (the drafter prepares the next blocks while the target verifies):
-out = drafter.generate_batch(target, ids, asynchronous=True, max_new_tokens=64, do_sample=False)
-
-# or as transformers' assistant model (batch size 1):
-out = target.generate(ids, assistant_model=drafter, max_new_tokens=64, do_sample=False)
+# or load the drafter yourself (its code ships with this repository):
+from transformers import AutoModel
+drafter = AutoModel.from_pretrained("{repo}", trust_remote_code=True)
+out = drafter.generate_batch(target, ids, max_new_tokens=64, do_sample=False)   # batches of left-padded prompts too
+out = drafter.generate_batch(target, ids, asynchronous=True, max_new_tokens=64)  # drafts the next blocks meanwhile
+out = target.generate(ids, assistant_model=drafter, max_new_tokens=64)          # transformers' assisted loop, batch 1
 ```"""
 
 LIMITATIONS = """## Limitations
@@ -84,7 +84,7 @@ def build_model_card(folder: str | Path, repo: str, bench: dict | None = None, t
     data = ModelCardData(
         model_name=repo.split("/")[-1], library_name="transformers", pipeline_tag="text-generation",
         base_model=base_model if base_model and _hub_id(base_model) else None,
-        tags=["d3d", "speculative-decoding", "block-diffusion", "drafter"],
+        tags=["d3d", "speculative-decoding", "block-diffusion", "drafter", "custom_generate"],
         eval_results=eval_results(bench) if bench else None,
     )
     depth = config.num_hidden_layers

@@ -5,7 +5,9 @@ remote-code files that are there, weights are there), and committed in one commi
 `d3d_push_manifest.json`, listing the files it wrote; the next push deletes only those of them it does not carry
 (stale weights, shards) and keeps every other file of the repo. A non-empty repo without a manifest (no `d3d push`
 made it) is refused unless `force=True`, which uploads beside its files and deletes none. The token comes from the
-usual `huggingface_hub` places (`HF_TOKEN`, `hf auth login`); it is never printed.
+usual `huggingface_hub` places (`HF_TOKEN`, `hf auth login`); it is never printed. Of the folder's subfolders only
+`custom_generate/` is published (the Hub front door, `target.generate(ids, custom_generate=REPO, ...)`, which the
+drafter's `save_pretrained` writes); training checkpoints and the like stay local.
 """
 
 import json
@@ -25,6 +27,9 @@ MANIFEST = "d3d_push_manifest.json"
 SKIPPED = ("d3d_training.json", "training_args.bin", "README.md", MANIFEST)
 # Files the Hub itself creates in a new repo: they do not make a repo someone else's.
 HUB_DEFAULTS = (".gitattributes",)
+# The Hub front door that `D3DForBlockDiffusion.save_pretrained` writes: the only subfolder published.
+FRONT_DOOR = "custom_generate/generate.py"
+PUBLISHED_FOLDERS = ("custom_generate",)
 
 
 class PushError(RuntimeError):
@@ -49,6 +54,29 @@ def check_drafter_folder(folder: Path) -> None:
             raise ValueError(f"auto_map names {reference} but {folder / (module + '.py')} is missing")
     if not any((folder / name).is_file() for name in WEIGHTS):
         raise ValueError(f"{folder} has no weights ({' or '.join(WEIGHTS)})")
+    if not (folder / FRONT_DOOR).is_file():
+        raise ValueError(f"{folder} has no {FRONT_DOOR} (the Hub front door, written by this version's "
+                         "save_pretrained): re-save it with D3DForBlockDiffusion.from_pretrained(folder).save_pretrained(folder)")
+
+
+def inside(folder: Path, name: str) -> Path:
+    """`folder / name`, refused (`ValueError`) when `name` (read from a manifest) would leave `folder`."""
+    path = folder / name
+    if not path.resolve().is_relative_to(folder.resolve()):
+        raise ValueError(f"{name!r} points outside {folder}: refusing to touch it")
+    return path
+
+
+def published_files(folder: Path) -> list[str]:
+    """The names, relative to `folder`, that a push publishes: its own files but training leftovers and hidden ones,
+    and the files of `PUBLISHED_FOLDERS`."""
+    names = [path.name for path in folder.iterdir()
+             if path.is_file() and not path.name.startswith(".") and path.name not in SKIPPED]
+    for subfolder in PUBLISHED_FOLDERS:
+        names += [path.relative_to(folder).as_posix() for path in (folder / subfolder).rglob("*")
+                  if path.is_file() and not any(part.startswith(".") or part == "__pycache__"
+                                                for part in path.relative_to(folder).parts)]
+    return sorted(names)
 
 
 def read_manifest(text: str, where: str) -> set[str]:
@@ -72,7 +100,7 @@ def clear_earlier_dry_run(folder: Path, destination: Path) -> None:
         raise ValueError(f"{destination} is not empty and no earlier `d3d push --dry-run` wrote it (no {MANIFEST}): "
                          "choose a new or empty folder")
     for name in read_manifest(manifest.read_text(), str(manifest)) | {MANIFEST}:
-        (destination / name).unlink(missing_ok=True)
+        inside(destination, name).unlink(missing_ok=True)
 
 
 def stage_drafter(folder: str | Path, repo_id: str, destination: str | Path, bench: dict | None = None,
@@ -85,11 +113,10 @@ def stage_drafter(folder: str | Path, repo_id: str, destination: str | Path, ben
     card = build_model_card(folder, repo_id, bench, target)  # fails before anything is written
     clear_earlier_dry_run(folder, destination)
     destination.mkdir(parents=True, exist_ok=True)
-    written = []
-    for path in sorted(folder.iterdir()):
-        if path.is_file() and not path.name.startswith(".") and path.name not in SKIPPED:
-            shutil.copy2(path, destination / path.name)
-            written.append(path.name)
+    written = published_files(folder)
+    for name in written:
+        (destination / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(folder / name, destination / name)
     card.save(destination / "README.md")
     manifest = {"written_by": "d3d push", "repo_id": repo_id, "files": sorted([*written, "README.md"])}
     (destination / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -127,7 +154,7 @@ def push_drafter(folder: str | Path, repo_id: str, bench: dict | None = None, ta
     api = HfApi(endpoint=endpoint, token=token)
     with tempfile.TemporaryDirectory(prefix="d3d-push-") as staging:
         stage_drafter(folder, repo_id, staging, bench, target)
-        staged = sorted(path.name for path in Path(staging).iterdir())
+        staged = sorted(path.relative_to(staging).as_posix() for path in Path(staging).rglob("*") if path.is_file())
         try:
             api.create_repo(repo_id, private=private, exist_ok=True)
             stale = files_to_delete(api, repo_id, set(staged), force, say)

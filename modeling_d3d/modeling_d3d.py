@@ -5,6 +5,8 @@ each a thin call into the engine or its adapters: `speculative_generate`, `gener
 `async_generator`, `select_prompt_chunks`, and `generate` as transformers' assistant (`assistant_model=drafter`).
 """
 
+from pathlib import Path
+
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
@@ -12,6 +14,7 @@ from .assistant_d3d import D3DAssistant, D3DAssistedGenerator
 from .configuration_d3d import D3DConfig
 from .engine_d3d import RoundRecord
 from .generation_d3d import front_door_kwargs, speculative_generate
+from .hub_generate_d3d import REQUIREMENTS, generate as hub_generate
 from .network_d3d import D3DBlockDiffusionModel, check_compatibility
 from .prefill_d3d import DEFAULT_CHUNK_SIZE, PromptSelection, SelectivePrefillOutput, d3d_generate, select_prompt_chunks
 from .serving_d3d import D3DBatchServer
@@ -89,6 +92,23 @@ class D3DForBlockDiffusion(D3DBlockDiffusionModel):
         """A `serving_d3d.D3DBatchServer` decoding requests for `target` with this drafter, up to `max_batch_size`
         at once (submit, stream, cancel; thread-safe); `settings`: asynchronous, coverage, fanout, max_length."""
         return D3DBatchServer(target, self, max_batch_size, **settings)
+
+    def save_pretrained(self, save_directory, is_main_process: bool = True, **kwargs) -> None:
+        """`PreTrainedModel.save_pretrained` (weights, config, remote code), plus the Hub front door:
+        `custom_generate/generate.py` (a copy of `hub_generate_d3d.py`) and its `requirements.txt`, so that
+        `target.generate(ids, custom_generate=<this folder or its Hub repo>, trust_remote_code=True)` runs the engine."""
+        super().save_pretrained(save_directory, is_main_process=is_main_process, **kwargs)
+        if not is_main_process:
+            return
+        folder = Path(save_directory) / "custom_generate"
+        folder.mkdir(exist_ok=True)
+        (folder / "generate.py").write_bytes(Path(hub_generate.__code__.co_filename).read_bytes())
+        (folder / "requirements.txt").write_text("\n".join(REQUIREMENTS) + "\n")
+
+    def adjust_generation_fn(self, *args, trust_remote_code=None, **kwargs) -> None:
+        """Load the generation config only: the folder's `custom_generate/` is the target's decoding method (the Hub
+        front door), which `from_pretrained` would otherwise bind as this drafter's own `generate`."""
+        super().adjust_generation_fn(*args, trust_remote_code=False, **kwargs)
 
     def check_compatibility(self, target: PreTrainedModel, target_tokenizer=None, drafter_tokenizer=None) -> None:
         """Raise `ValueError` unless this drafter can draft for `target` (see `network_d3d.check_compatibility`)."""

@@ -119,12 +119,13 @@ HIDE_PROJECT = textwrap.dedent(
 )
 
 
-def run_without_project(code: str, *args: str, cwd) -> subprocess.CompletedProcess:
-    """Run `code` in a fresh Python process in which this project cannot be imported (as a Hub user would)."""
+def run_without_project(code: str, *args: str, cwd, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh Python process in which this project cannot be imported (as a Hub user would), offline
+    unless `env` says otherwise (e.g. `HF_ENDPOINT` of a mock Hub)."""
     return subprocess.run(
         [sys.executable, "-c", HIDE_PROJECT + textwrap.dedent(code), *args],
         cwd=cwd,
-        env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HOME": str(cwd)},
+        env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HOME": str(cwd), **(env or {})},
         capture_output=True,
         text=True,
         timeout=300,

@@ -40,7 +40,8 @@ def drafter_folder(tmp_path: Path) -> Path:
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
-    return {path.name: path.read_bytes() for path in folder.iterdir()}
+    """Every file under `folder` (`custom_generate/generate.py` included), by its path relative to it."""
+    return {path.relative_to(folder).as_posix(): path.read_bytes() for path in folder.rglob("*") if path.is_file()}
 
 
 def published_names(folder: Path) -> set[str]:
@@ -74,6 +75,7 @@ def test_push_uploads_the_folder_and_a_card_that_round_trips(drafter_folder, tmp
     published = tmp_path / "published"
     published.mkdir()
     for name, content in uploaded.items():
+        (published / name).parent.mkdir(exist_ok=True)
         (published / name).write_bytes(content)
     card = ModelCard.load(published / "README.md")
     assert card.data.base_model == "org/target-lm"
@@ -85,6 +87,9 @@ def test_push_uploads_the_folder_and_a_card_that_round_trips(drafter_folder, tmp
     assert ("humaneval", "hit_rate", "D3D sync") not in values
     assert all("test CPU, 2 threads" in r.metric_name for r in card.data.eval_results)
     assert "3 -> 2 layers" in card.text and 'from_pretrained("me/d3d-tiny", trust_remote_code=True)' in card.text
+    assert "custom_generate" in card.data.tags and 'custom_generate="me/d3d-tiny", trust_remote_code=True' in card.text
+    assert card.text.index('custom_generate="me/d3d-tiny"') < card.text.index("AutoModel.from_pretrained")  # first
+    assert uploaded["custom_generate/generate.py"] == before["custom_generate/generate.py"]
 
     loaded = run_without_project(
         """
@@ -155,7 +160,7 @@ def test_dry_run_writes_the_folder_and_card_without_network(drafter_folder, tmp_
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     output = tmp_path / "upload"
     assert main(["push", str(drafter_folder), "me/d3d-tiny", "--dry-run", str(output)]) == 0
-    assert {p.name for p in output.iterdir()} == published_names(drafter_folder)
+    assert set(snapshot(output)) == published_names(drafter_folder)
     card = ModelCard.load(output / "README.md")
     assert card.data.eval_results is None and "org/target-lm" in card.text
 
@@ -166,7 +171,7 @@ def test_a_second_dry_run_replaces_only_what_the_first_wrote(drafter_folder, tmp
     (output / "notes.txt").write_text("mine")
     (drafter_folder / "tokenizer.json").unlink()
     assert main(["push", str(drafter_folder), "me/d3d-tiny", "--dry-run", str(output)]) == 0
-    assert {p.name for p in output.iterdir()} == published_names(drafter_folder) | {"notes.txt"}
+    assert set(snapshot(output)) == published_names(drafter_folder) | {"notes.txt"}
 
 
 def test_a_dry_run_into_a_foreign_folder_or_the_drafter_is_refused(drafter_folder, tmp_path, capsys):
@@ -186,6 +191,33 @@ def test_a_folder_that_would_not_load_is_refused(drafter_folder, tmp_path):
     (drafter_folder / "modeling_d3d.py").unlink()
     with pytest.raises(ValueError, match="modeling_d3d.py is missing"):
         push_drafter(drafter_folder, "me/d3d-tiny", token=TOKEN, endpoint="http://127.0.0.1:9")
+
+
+def test_a_folder_without_the_hub_front_door_is_refused(drafter_folder):
+    (drafter_folder / "custom_generate" / "generate.py").unlink()
+    with pytest.raises(ValueError, match="no custom_generate/generate.py .*re-save it"):
+        push_drafter(drafter_folder, "me/d3d-tiny", token=TOKEN, endpoint="http://127.0.0.1:9")
+
+
+def test_only_custom_generate_of_the_subfolders_is_published(drafter_folder, tmp_path):
+    (drafter_folder / "checkpoint-10").mkdir()
+    (drafter_folder / "checkpoint-10" / "optimizer.pt").write_bytes(b"state")
+    (drafter_folder / "custom_generate" / "__pycache__").mkdir()
+    (drafter_folder / "custom_generate" / "__pycache__" / "generate.cpython-311.pyc").write_bytes(b"pyc")
+    assert main(["push", str(drafter_folder), "me/d3d-tiny", "--dry-run", str(tmp_path / "out")]) == 0
+    published = set(snapshot(tmp_path / "out"))
+    assert {"custom_generate/generate.py", "custom_generate/requirements.txt"} <= published
+    assert not any(name.startswith("checkpoint-10") or "__pycache__" in name for name in published)
+
+
+def test_a_manifest_naming_a_file_outside_its_folder_is_refused(drafter_folder, tmp_path, capsys):
+    output = tmp_path / "upload"
+    assert main(["push", str(drafter_folder), "me/d3d-tiny", "--dry-run", str(output)]) == 0
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    _write(output / MANIFEST, {"files": ["../victim.txt"]})
+    assert main(["push", str(drafter_folder), "me/d3d-tiny", "--dry-run", str(output)]) == 2
+    assert "points outside" in capsys.readouterr().err and victim.read_text() == "keep me"
 
 
 def test_no_token_is_a_clear_error(drafter_folder, tmp_path, monkeypatch):

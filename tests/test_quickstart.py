@@ -22,8 +22,8 @@ def output(tmp_path_factory):
 
 def test_every_artifact_is_written(output):
     for name in ("target/config.json", "assistant/config.json", "drafter/config.json", "drafter/README.md",
-                 "drafter/modeling_d3d.py", "drafter/tokenizer.json", "bench.json", "bench.md", "bench.png",
-                 "pruning/pruning.md", "data/dataset"):
+                 "drafter/modeling_d3d.py", "drafter/custom_generate/generate.py", "drafter/tokenizer.json",
+                 "bench.json", "bench.md", "bench.png", "pruning/pruning.md", "data/dataset"):
         assert (output / name).exists(), name
 
 
@@ -74,6 +74,7 @@ def test_the_model_card_usage_snippet_runs_as_written(output):
     card = (output / "drafter" / "README.md").read_text()
     snippet = re.search(r"```python\n(.*?)```", card, re.S).group(1)
     assert "trust_remote_code=True" in snippet and "generate_batch" in snippet and "asynchronous=True" in snippet
+    assert snippet.index("custom_generate=") < snippet.index("generate_batch")  # the Hub call comes first
     result = run_without_project(snippet, cwd=output.parent)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().startswith("def fibonacci(n):")
