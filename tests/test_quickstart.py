@@ -2,6 +2,7 @@
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -94,6 +95,16 @@ def test_demo_uses_the_quickstart_models_in_d3d_output(output, capsys, monkeypat
                           f"D3D async, B={block_size} C={block_size} F=2"]
     assert all(row["identical"] == "True" for row in rows.values())
     assert humaneval_prompts()[0] in out  # the first prompt and its output
+
+
+def test_the_readmes_hub_example_runs_on_the_quickstarts_folders_without_the_project(output, tmp_path):
+    from test_docs import marked_block
+    code = marked_block((Path(__file__).parents[1] / "README.md").read_text(), "hub-example")
+    (tmp_path / "d3d-output").symlink_to(output)
+    result = run_without_project(code, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    text, tau = result.stdout.rstrip().rsplit("\n", 1)
+    assert text.startswith("def fibonacci(n):") and float(tau) >= 1.0
 
 
 def test_a_second_run_reuses_finished_stages(output):
