@@ -51,7 +51,9 @@ class D3DProposer(DraftModelProposer):
         return replace(base, attention_config=replace(base.attention_config, use_non_causal=True))
 
     @override
-    def initialize_attn_backend(self, kv_cache_config: KVCacheConfig, kernel_block_sizes: list[int] | None = None):
+    def initialize_attn_backend(
+        self, kv_cache_config: KVCacheConfig, kernel_block_sizes: list[int] | None = None
+    ) -> None:
         """vLLM's, then refuse (one line) an attention backend that cannot run a non-causal pass."""
         super().initialize_attn_backend(kv_cache_config, kernel_block_sizes)
         check_attention_backends([group.backend for group in self.draft_attn_groups])

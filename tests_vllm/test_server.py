@@ -73,19 +73,21 @@ def test_d3d_server_is_lossless_and_reports_acceptance(models, prompts, plain, t
     assert abs(tau - reference["tau"]) <= TAU_TOLERANCE
 
 
-@pytest.mark.parametrize(("drafter", "settings", "message"), [
-    ("wrong_vocab_drafter", {"parallel_drafting": True, "num_speculative_tokens": 5},
+@pytest.mark.parametrize(("drafter", "settings", "env", "message"), [
+    ("wrong_vocab_drafter", {"parallel_drafting": True, "num_speculative_tokens": 5}, {},
      "Target and draft model should have the same vocabulary size"),
-    ("drafter", {"parallel_drafting": False, "num_speculative_tokens": 5}, "set parallel_drafting: true"),
-    ("drafter", {"parallel_drafting": True, "num_speculative_tokens": 8},
+    ("drafter", {"parallel_drafting": False, "num_speculative_tokens": 5}, {}, "set parallel_drafting: true"),
+    ("drafter", {"parallel_drafting": True, "num_speculative_tokens": 8}, {},
      "num_speculative_tokens must be 1..7 (block_size - 1), got 8"),
+    ("drafter", {"parallel_drafting": True, "num_speculative_tokens": 5}, {"VLLM_USE_V2_MODEL_RUNNER": "1"},
+     "D3D drafter: needs Model Runner V1"),
 ])
-def test_bad_drafting_settings_are_refused_at_start(models, drafter, settings, message):
-    """vLLM's own check (vocabulary) and the plugin's (one pass drafts a block of B: parallel drafting, K <= B-1)."""
+def test_bad_drafting_settings_are_refused_at_start(models, drafter, settings, env, message):
+    """vLLM's own check (vocabulary) and the plugin's (a block of B: parallel drafting, K <= B-1; the V1 runner)."""
     spec = json.dumps({"method": "draft_model", "model": str(models / drafter), **settings})
     command = [PYTHON, "-m", SERVER, "--model", str(models / "target"), "--port", str(free_port()),
                "--speculative-config", spec, *VLLM_FLAGS]
-    result = subprocess.run(command, capture_output=True, text=True, env=vllm_env(), cwd=REPO, timeout=300,
-                            check=False)
+    result = subprocess.run(command, capture_output=True, text=True, env={**vllm_env(), **env}, cwd=REPO,
+                            timeout=300, check=False)
     assert result.returncode != 0
     assert message in result.stdout + result.stderr
