@@ -1,7 +1,8 @@
 """A real vLLM OpenAI-compatible server on 127.0.0.1, called with the `openai` client: greedy completions with the
 D3D drafter (started by `d3d serve`), one request at a time and 8 in flight, are identical to vLLM without
-speculation; τ from vLLM's acceptance counters is that of this project's drafts (`draft_block`) on the same
-sequences (a block drafted causally, or over a cache pass 1 did not fill, drafts other tokens and shows as a drop);
+speculation; vLLM's acceptance counters (rounds, accepted drafts: τ) are exactly those of this project's drafts
+(`draft_block`) on the same sequences (a block drafted causally, or over a cache pass 1 did not fill, drafts other
+tokens: on these tiny models τ barely moves, 1.255 -> 1.246 for a causal block, but the counts differ);
 a drafter with another vocabulary, or settings that cannot draft a D3D block, are refused at start."""
 
 import json
@@ -17,8 +18,6 @@ from benchmark.vllm_server import SERVER, free_port, spec_counters
 VLLM_FLAGS = ["--no-enable-prefix-caching", "--enforce-eager", "--max-model-len", "256", "--seed", "0"]
 MAX_TOKENS = 32
 K = 5
-# τ here and in the reference differ only where a round crosses max_tokens or the end of the sequence.
-TAU_TOLERANCE = 0.05
 
 
 def completions(base_url: str, prompts: list[list[int]], concurrency: int = 1) -> list[str]:
@@ -70,7 +69,7 @@ def test_d3d_server_is_lossless_and_reports_acceptance(models, prompts, plain, t
     print(f"\nD3D in vLLM on the tiny models: {int(drafts)} rounds, {int(accepted)} drafts accepted, "
           f"tau = {tau:.3f} tokens per target pass; draft_block on the same sequences: {reference['rounds']} rounds, "
           f"tau = {reference['tau']:.3f}")
-    assert abs(tau - reference["tau"]) <= TAU_TOLERANCE
+    assert (int(drafts), int(accepted)) == (reference["rounds"], reference["accepted"])
 
 
 @pytest.mark.parametrize(("drafter", "settings", "env", "message"), [
