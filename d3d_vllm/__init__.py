@@ -4,8 +4,7 @@ Serve a target with a D3D drafter through vLLM's draft-model speculative decodin
 `speculative_config={"method": "draft_model", "model": DRAFTER, "parallel_drafting": True,
 "num_speculative_tokens": K}` with `K <= block_size - 1`. Modules: `config` (the `d3d` config), `model` (the
 drafter network in vLLM), `proposer` (the drafting step: a causal pass, then the non-causal block pass),
-`patches` (where vLLM is told about D3D); `generate` is
-the worker of `d3d generate-data --engine vllm`.
+`patches` (where vLLM is told about D3D); `generate` is the worker of `d3d generate-data --engine vllm`.
 """
 
 
