@@ -2,7 +2,8 @@
 D3D drafter (started by `d3d serve`), one request at a time and 8 in flight, are identical to vLLM without
 speculation; vLLM's acceptance counters (rounds, accepted drafts: τ) are exactly those of this project's drafts
 (`draft_block`) on the same sequences (a block drafted causally, or over a cache pass 1 did not fill, drafts other
-tokens: on these tiny models τ barely moves, 1.255 -> 1.246 for a causal block, but the counts differ);
+tokens: on these tiny models τ barely moves, 1.255 -> 1.246 for a causal block, 1.13 without pass 1, but the
+counts differ);
 a drafter with another vocabulary, or settings that cannot draft a D3D block, are refused at start."""
 
 import json
