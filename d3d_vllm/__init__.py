@@ -3,8 +3,8 @@
 Serve a target with a D3D drafter through vLLM's draft-model speculative decoding:
 `speculative_config={"method": "draft_model", "model": DRAFTER, "parallel_drafting": True,
 "num_speculative_tokens": K}` with `K <= block_size - 1`. Modules: `config` (the `d3d` config), `model` (the
-drafter network in vLLM), `proposer` (the block layout), `patches` (where vLLM is told about D3D); `generate` is
-the worker of `d3d generate-data --engine vllm`.
+drafter network in vLLM), `proposer` (the drafting step: a causal pass, then the non-causal block pass),
+`patches` (where vLLM is told about D3D); `generate` is the worker of `d3d generate-data --engine vllm`.
 """
 
 

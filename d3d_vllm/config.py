@@ -39,3 +39,14 @@ def check_drafting(config: D3DConfig, num_speculative_tokens: int, parallel_draf
         )
     if not parallel_drafting:
         raise ValueError("D3D drafter: set parallel_drafting: true in the speculative config (one pass drafts a block)")
+
+
+def check_attention_backends(backends: list) -> None:
+    """Raise `ValueError` (one line) unless every attention backend of the drafter runs a non-causal pass."""
+    causal_only = sorted({backend.get_name() for backend in backends if not backend.supports_non_causal()})
+    if causal_only:
+        raise ValueError(
+            f"D3D drafter: attention backend {', '.join(causal_only)} cannot run the non-causal block pass; choose "
+            "one that can (FLASH_ATTN, FLASHINFER, FLEX_ATTENTION, TRITON_ATTN; CPU_ATTN on CPUs) with the "
+            "speculative config's attention_backend"
+        )

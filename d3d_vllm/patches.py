@@ -1,15 +1,19 @@
-"""Where vLLM 0.32 is told about D3D drafters: three narrow overrides, each a no-op unless the drafter is `d3d`.
+"""Where vLLM 0.32 is told about D3D drafters: four narrow overrides, each a no-op unless the drafter is `d3d`.
 
-- `GPUModelRunner.__init__` (the CPU runner inherits it): after vLLM builds its `DraftModelProposer`, a D3D drafter
-  gets a `D3DProposer` instead;
+- `GPUModelRunner.__init__` (Model Runner V1; the CPU runner inherits it): after vLLM builds its
+  `DraftModelProposer`, a D3D drafter gets a `D3DProposer` instead;
+- `VllmConfig.use_v2_model_runner`: False for a D3D drafter (the plugin hooks V1's runner; V2's draft-model
+  speculator would draft causally), and an explicit `VLLM_USE_V2_MODEL_RUNNER=1` is refused at start;
 - `SpeculativeConfig.max_num_new_slots_for_drafting` (the scheduler's token budget for drafting) and
-  `VllmConfig.num_lookahead_tokens` (KV slots reserved past the verified tokens): B for D3D, because the proposer
-  appends the whole block `[anchor, M x (B-1)]` to every request, where vLLM's PARD appends K.
+  `VllmConfig.num_lookahead_tokens` (KV slots reserved past the verified tokens): B for D3D, because the block pass
+  runs B query tokens per request and writes its scratch K/V in the B slots from the anchor, where vLLM's PARD
+  has K.
 """
 
 from collections.abc import Callable
 from functools import wraps
 
+from vllm import envs
 from vllm.config import SpeculativeConfig, VllmConfig
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -21,8 +25,12 @@ def apply() -> None:
     if getattr(GPUModelRunner.__init__, "_d3d", False):
         return
     GPUModelRunner.__init__ = _with_d3d_drafter(GPUModelRunner.__init__)
-    _override_property(SpeculativeConfig, "max_num_new_slots_for_drafting", lambda spec: spec)
-    _override_property(VllmConfig, "num_lookahead_tokens", lambda config: config.speculative_config)
+    _override_property(SpeculativeConfig, "max_num_new_slots_for_drafting", lambda spec: spec,
+                       lambda config, spec: config.block_size)
+    _override_property(VllmConfig, "num_lookahead_tokens", lambda config: config.speculative_config,
+                       lambda config, vllm_config: config.block_size)
+    _override_property(VllmConfig, "use_v2_model_runner", lambda config: config.speculative_config,
+                       lambda config, vllm_config: _model_runner_v2_refused())
 
 
 def _with_d3d_drafter(init: Callable) -> Callable:
@@ -38,12 +46,20 @@ def _with_d3d_drafter(init: Callable) -> Callable:
     return __init__
 
 
-def _override_property(cls: type, name: str, speculative_config_of: Callable) -> None:
-    """`cls.name` returns the D3D block size when the speculative config is a D3D drafter's, else vLLM's value."""
+def _model_runner_v2_refused() -> bool:
+    """False (Model Runner V1) unless V2 was asked for explicitly, which is refused (one line)."""
+    if envs.VLLM_USE_V2_MODEL_RUNNER:
+        raise ValueError("D3D drafter: needs Model Runner V1 (the plugin hooks its GPUModelRunner); unset "
+                         "VLLM_USE_V2_MODEL_RUNNER or set it to 0")
+    return False
+
+
+def _override_property(cls: type, name: str, speculative_config_of: Callable, d3d_value: Callable) -> None:
+    """`cls.name` is `d3d_value(d3d config, self)` when the speculative config is a D3D drafter's, else vLLM's."""
     original = getattr(cls, name)
 
-    def getter(self) -> int:
+    def getter(self):
         config = d3d_config(speculative_config_of(self))
-        return original.fget(self) if config is None else config.block_size
+        return original.fget(self) if config is None else d3d_value(config, self)
 
     setattr(cls, name, property(getter, doc=original.__doc__))
