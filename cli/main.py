@@ -16,6 +16,7 @@ COMMANDS = {
     "demo": ("demo", "speculative decoding on tiny random models, checked against the target"),
     "generate-data": ("generate_data", "regenerate responses with the target (resumable)"),
     "train": ("train", "train a D3D drafter for a target (diffusion + AR loss)"),
+    "bench-train": ("bench_train", "the cost of a training step (time, tokens/s, peak memory) at real shapes"),
     "prune": ("prune", "acceptance-guided layer pruning with distillation recovery"),
     "bench": ("bench", "D3D beside its peers on the same prompts, in one process"),
     "push": ("push", "publish a drafter folder with its model card to the Hugging Face Hub"),
