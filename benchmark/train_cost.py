@@ -161,39 +161,45 @@ class StepCost:
     loss: float
 
 
-def step_cost(name: str, shape: TrainShape, loss_path: str, device: str, dtype: torch.dtype, repeats: int,
-              gradient_checkpointing: bool = False, autocast: bool = False) -> StepCost:
-    """Median seconds and the largest peak memory of `repeats` forward + backward steps (after one warm-up step when
-    `repeats > 1`) of `loss_path` on a random drafter and batch of `shape`."""
+def step_costs(name: str, shape: TrainShape, loss_paths: list[str], device: str, dtype: torch.dtype, repeats: int,
+               gradient_checkpointing: bool = False, autocast: bool = False) -> list[StepCost]:
+    """Per loss path: the median seconds and the largest peak memory of `repeats` forward + backward steps (after one
+    warm-up step each when `repeats > 1`) on one random drafter and batch of `shape`, the paths interleaved step by
+    step so that a busy machine slows each alike."""
     model = random_drafter(shape, device, dtype).train()
     if gradient_checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
     batch = random_batch(shape, device)
-    losses = full_logits_loss_terms if loss_path == "full-logits" else d3d_loss_terms
     target = torch.device(device)
 
-    def step() -> float:
-        model.zero_grad(set_to_none=True)
+    def step(path: str) -> float:
+        losses = full_logits_loss_terms if path == "full-logits" else d3d_loss_terms
         with torch.autocast(target.type, dtype=torch.bfloat16, enabled=autocast):
             loss = losses(model, batch, DFLASH_GAMMA, 1.0)["loss"]
         loss.backward()
         return loss.item()
 
     if repeats > 1:
-        step()
-    times, peaks = [], []
+        for path in loss_paths:
+            model.zero_grad(set_to_none=True)
+            step(path)
+    times, peaks, losses = ({path: [] for path in loss_paths} for _ in range(3))
     for _ in range(max(repeats - 1, 1)):
-        model.zero_grad(set_to_none=True)
-        with PeakMemory(target) as memory:
-            start = time.perf_counter()
-            loss = step()
-            synchronize(target)
-            times.append(time.perf_counter() - start)
-        peaks.append(memory.peak)
-    seconds = sorted(times)[len(times) // 2]
+        for path in loss_paths:
+            model.zero_grad(set_to_none=True)
+            with PeakMemory(target) as memory:
+                start = time.perf_counter()
+                losses[path].append(step(path))
+                synchronize(target)
+                times[path].append(time.perf_counter() - start)
+            peaks[path].append(memory.peak)
     positions = shape.packed_positions * shape.batch
-    return StepCost(name, loss_path, gradient_checkpointing, shape.layers, positions, seconds, positions / seconds,
-                    max(peaks), loss)
+    costs = []
+    for path in loss_paths:
+        seconds = sorted(times[path])[len(times[path]) // 2]
+        costs.append(StepCost(name, path, gradient_checkpointing, shape.layers, positions, seconds, positions / seconds,
+                              max(peaks[path]), losses[path][-1]))
+    return costs
 
 
 def parameter_count(shape: TrainShape) -> int:
@@ -286,5 +292,5 @@ def write(costs: list[StepCost], projected: dict | None, output: Path) -> None:
 
 
 __all__ = ["LOSS_PATHS", "PAPER_8B", "SHAPES", "PeakMemory", "StepCost", "TrainShape", "cost_table",
-           "full_logits_loss_terms", "projection", "projection_table", "random_batch", "random_drafter", "step_cost",
+           "full_logits_loss_terms", "projection", "projection_table", "random_batch", "random_drafter", "step_costs",
            "write"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from benchmark.train_cost import LOSS_PATHS, SHAPES, cost_table, projection, projection_table, step_cost, write
+from benchmark.train_cost import LOSS_PATHS, SHAPES, cost_table, projection, projection_table, step_costs, write
 
 from . import dtype
 
@@ -28,7 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated drafter shapes: {', '.join(SHAPES)}")
     parser.add_argument("--layers", default=None, help="e.g. 1,2: measure each shape at these depths (default: its own)")
     parser.add_argument("--loss-paths", default=",".join(LOSS_PATHS), help=f"comma-separated: {', '.join(LOSS_PATHS)}")
-    parser.add_argument("--gradient-checkpointing", choices=("no", "yes", "both"), default="no")
+    parser.add_argument("--gradient-checkpointing", choices=("no", "yes", "both"), default="no",
+                        help="measure with gradient checkpointing (the hidden-states path only: checkpointing the "
+                             "decoder does not change what the logits cost)")
     parser.add_argument("--repeats", type=int, default=3, help="steps per row: one warm-up, the median of the rest")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--project", default=None, metavar="SHAPE",
@@ -55,11 +57,14 @@ def run(args: argparse.Namespace) -> int:
     for name in shapes:
         for depth in layers or [SHAPES[name].layers]:
             shape = replace(SHAPES[name], layers=depth)
-            for path in paths:
-                for with_checkpointing in checkpointing:
-                    costs.append(step_cost(name, shape, path, args.device, choice.dtype, args.repeats,
-                                           with_checkpointing, autocast=choice.bf16))
-                    print(cost_table(costs[-1:]).splitlines()[-1], flush=True)
+            for with_checkpointing in checkpointing:  # checkpointing the decoder leaves the logits' cost alone
+                measured = [p for p in paths if not with_checkpointing or p == "hidden-states"]
+                if not measured:
+                    continue
+                rows = step_costs(name, shape, measured, args.device, choice.dtype, args.repeats, with_checkpointing,
+                                  autocast=choice.bf16)
+                costs += rows
+                print("\n".join(cost_table(rows).splitlines()[2:]), flush=True)
     print(f"\n{choice}, device {args.device}\n\n{cost_table(costs)}")
     projected = None
     if args.project is not None:
