@@ -207,46 +207,53 @@ def parameter_count(shape: TrainShape) -> int:
         return sum(p.numel() for p in Qwen3ForCausalLM(shape.config()).parameters())
 
 
-def projection(costs: list[StepCost], measured: TrainShape, paper: TrainShape = PAPER_8B,
+def projection(costs: list[StepCost], measured: TrainShape, itemsize: int, paper: TrainShape = PAPER_8B,
                chunk_elements: int = LOGITS_CHUNK_ELEMENTS) -> dict:
     """Per-device memory of the paper's recipe, projected from measured per-position figures at `measured`'s width.
 
-    Needs hidden-states steps at two depths (one layer's activations per packed position, less its bf16 gradient),
-    with gradient checkpointing at two depths too if given, and a full-logits step at the shallower depth (the logits'
-    bytes per position). Weights and gradients in bf16, 8-bit AdamW: 2 + 2 + 2 bytes per parameter."""
-    def find(path, checkpointing, layers):
-        return next((c for c in costs if c.loss_path == path and c.gradient_checkpointing == checkpointing
-                     and c.layers == layers), None)
+    One layer's activations per packed position: from hidden-states steps at two depths, the difference less that
+    layer's gradient; from one depth, the whole step's peak less every gradient, divided by the depth (an upper bound:
+    the embedding, final norm and the loss's buffers count as layer activations). With gradient checkpointing a layer
+    keeps its input (`itemsize * hidden` per position, or the measured difference of two checkpointed depths) and one
+    layer at a time is recomputed. Logits: the full-logits step's peak less the hidden-states step's, per position.
+    Weights and gradients in bf16, 8-bit AdamW: 2 + 2 + 2 bytes per parameter. `itemsize`: bytes per element of the
+    measured steps' parameters."""
+    def rows(path, checkpointing):
+        return {c.layers: c for c in costs if c.loss_path == path and c.gradient_checkpointing == checkpointing}
 
-    depths = sorted({c.layers for c in costs if c.loss_path == "hidden-states"})
-    if len(depths) < 2:
-        raise ValueError("the projection needs hidden-states steps at two depths (e.g. --layers 1,2)")
-    low, high = depths[0], depths[1]
-    layer_parameters = (parameter_count(replace(measured, layers=high)) - parameter_count(replace(measured, layers=low))) // (high - low)
+    plain_rows, checkpointed_rows, full_rows = rows("hidden-states", False), rows("hidden-states", True), rows("full-logits", False)
+    if not plain_rows:
+        raise ValueError("the projection needs a hidden-states step without gradient checkpointing")
     positions = measured.packed_positions * measured.batch
+    depths = sorted(plain_rows)
+    low = depths[0]
 
-    def per_layer_activation(checkpointing: bool) -> float | None:
-        shallow, deep = find("hidden-states", checkpointing, low), find("hidden-states", checkpointing, high)
-        if shallow is None or deep is None:
-            return None
-        return max((deep.peak_bytes - shallow.peak_bytes) / (high - low) - 2 * layer_parameters, 0) / positions
+    def layer_parameters(layers: int) -> int:
+        return parameter_count(replace(measured, layers=layers + 1)) - parameter_count(replace(measured, layers=layers))
 
-    full, hidden = find("full-logits", False, low), find("hidden-states", False, low)
-    logits_per_position = (full.peak_bytes - hidden.peak_bytes) / positions if full and hidden else None
+    def difference(by_depth: dict) -> float:
+        high = sorted(by_depth)[1]
+        return ((by_depth[high].peak_bytes - by_depth[low].peak_bytes) / (high - low) - itemsize * layer_parameters(low)) / positions
+
+    if len(depths) >= 2:
+        plain, method = difference(plain_rows), f"difference of {depths[0]} and {depths[1]} layers"
+    else:
+        gradients = itemsize * parameter_count(replace(measured, layers=low))
+        plain, method = (plain_rows[low].peak_bytes - gradients) / (low * positions), f"one depth ({low}), an upper bound"
+    kept = difference(checkpointed_rows) if low in checkpointed_rows and len(checkpointed_rows) >= 2 else itemsize * measured.hidden
+    logits_per_position = ((full_rows[low].peak_bytes - plain_rows[low].peak_bytes) / positions
+                           if low in full_rows else None)
     parameters = parameter_count(paper)
     paper_positions = paper.packed_positions * paper.batch
-    rows = {"weights (bf16)": 2 * parameters, "gradients (bf16)": 2 * parameters, "8-bit AdamW states": 2 * parameters}
-    plain, checkpointed = per_layer_activation(False), per_layer_activation(True)
-    activation = {"activations, no checkpointing": plain * paper.layers * paper_positions if plain is not None else None}
-    if checkpointed is not None:
-        layer_inputs = 2 * paper.hidden * paper.layers * paper_positions  # each layer's bf16 input, kept
-        activation["activations, gradient checkpointing"] = layer_inputs + checkpointed * paper_positions
+    states = {"weights (bf16)": 2 * parameters, "gradients (bf16)": 2 * parameters, "8-bit AdamW states": 2 * parameters}
+    activations = {"activations, no checkpointing": plain * paper.layers * paper_positions,
+                   "activations, gradient checkpointing": (kept * paper.layers + plain) * paper_positions}
     logits = {"logits, full-logits losses": logits_per_position * paper_positions if logits_per_position else None,
               "logits, hidden-states losses (one chunk, ~4 float32 copies)": 4 * 4 * chunk_elements}
-    return {"parameters": parameters, "paper_positions_per_device": paper_positions, "states": rows,
-            "activations": activation, "logits": logits, "per_position": {
-                "layer_activation_bytes": plain, "layer_activation_bytes_checkpointed": checkpointed,
-                "full_logits_bytes": logits_per_position}}
+    return {"parameters": parameters, "paper_positions_per_device": paper_positions, "states": states,
+            "activations": activations, "logits": logits, "per_position": {
+                "layer_activation_bytes": plain, "layer_activation_method": method,
+                "checkpointed_layer_bytes": kept, "full_logits_bytes": logits_per_position}}
 
 
 def cost_table(costs: list[StepCost]) -> str:
@@ -266,7 +273,11 @@ def projection_table(result: dict, paper: TrainShape = PAPER_8B) -> str:
     lines = [
         f"PROJECTION (not measured): D3D-8B ({result['parameters'] / 1e9:.2f}B parameters, {paper.layers} layers), "
         f"K = {paper.anchors}, {paper.prompt}-token prompt + {paper.response}-token response, {paper.batch} sequences "
-        f"per device ({result['paper_positions_per_device']} packed positions), global batch 16 on 8 GPUs",
+        f"per device ({result['paper_positions_per_device']} packed positions), global batch 16 on 8 GPUs; per packed "
+        f"position: one layer's activations {result['per_position']['layer_activation_bytes'] / 1e3:.1f} kB "
+        f"({result['per_position']['layer_activation_method']}), kept per layer under checkpointing "
+        f"{result['per_position']['checkpointed_layer_bytes'] / 1e3:.1f} kB, full logits "
+        + (f"{result['per_position']['full_logits_bytes'] / 1e6:.2f} MB" if result['per_position']['full_logits_bytes'] else "n/a"),
         "", "| component | GB per device |", "|---|---|"]
     for name, value in {**result["states"], **result["activations"], **result["logits"]}.items():
         lines.append(f"| {name} | {'n/a' if value is None else f'{value / gb:.1f}'} |")

@@ -34,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="steps per row: one warm-up, the median of the rest")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--project", default=None, metavar="SHAPE",
-                        help="project the paper's 8B recipe from SHAPE's rows (needs two --layers)")
+                        help="project the paper's 8B recipe from SHAPE's rows (two --layers: per-layer activations measured as a "
+                             "difference; one: an upper bound)")
     parser.add_argument("--output", default=None, help="folder for bench-train.json")
     dtype.add_argument(parser)
 
@@ -48,8 +49,8 @@ def run(args: argparse.Namespace) -> int:
     layers = parse_ints(args.layers, "--layers")
     if args.repeats < 1:
         raise ValueError("--repeats must be >= 1")
-    if args.project is not None and (args.project not in shapes or not layers or len(layers) < 2):
-        raise ValueError("--project SHAPE needs SHAPE among --shapes and two depths in --layers")
+    if args.project is not None and (args.project not in shapes or "hidden-states" not in paths):
+        raise ValueError("--project SHAPE needs SHAPE among --shapes and the hidden-states loss path")
     checkpointing = {"no": [False], "yes": [True], "both": [False, True]}[args.gradient_checkpointing]
     choice = dtype.choose_dtype(args.dtype, args.device)
     print(choice)
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     projected = None
     if args.project is not None:
         measured = [cost for cost in costs if cost.shape == args.project]
-        projected = projection(measured, SHAPES[args.project])
+        projected = projection(measured, SHAPES[args.project], choice.dtype.itemsize)
         print("\n" + projection_table(projected))
     if args.output:
         write(costs, projected, Path(args.output))

@@ -25,7 +25,7 @@ def test_bench_train_measures_both_loss_paths_and_projects(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv", [["--shapes", "huge"], ["--shapes", "tiny", "--layers", "0"],
-                                  ["--shapes", "tiny", "--project", "tiny", "--layers", "1"],
+                                  ["--shapes", "tiny", "--project", "quickstart"],
                                   ["--shapes", "tiny", "--loss-paths", "logits"]])
 def test_bench_train_rejects_bad_input_in_one_line(argv, capsys):
     assert main(["bench-train", *argv]) == 2
