@@ -25,7 +25,7 @@ from quickstart.pipeline import QuickstartSizes, drafter_arguments
 from trainer.d3d_trainer import D3DTrainer
 from trainer.data import load_responses
 
-from cli.dtype import choose_dtype
+from cli.dtype import DtypeChoice, add_argument, choose_dtype
 
 
 @dataclass(frozen=True)
@@ -94,10 +94,10 @@ def per_prompt_tau(target, drafter, prompts: list[torch.Tensor], max_new_tokens:
 
 
 def run_variant(quickstart: Path, output: Path, variant: Variant, seed: int, steps: int, train_data, prompts,
-                target, tokenizer, sizes: QuickstartSizes) -> VariantResult:
+                target, tokenizer, sizes: QuickstartSizes, choice: DtypeChoice) -> VariantResult:
     drafter = initial_drafter(quickstart, variant, sizes.block_size, tokenizer, seed)
     folder = output / f"lambda{variant.ar_weight:g}-{'pretrained' if variant.pretrained else 'random'}-K{variant.num_anchors}-seed{seed}"
-    args = drafter_arguments(folder, sizes, steps, choose_dtype("float32"))
+    args = drafter_arguments(folder, sizes, steps, choice)
     args.ar_weight, args.num_anchors, args.seed, args.disable_tqdm = variant.ar_weight, variant.num_anchors, seed, True
     start = time.perf_counter()
     result = D3DTrainer(drafter, args, train_dataset=train_data).train()
@@ -111,8 +111,8 @@ def run_variant(quickstart: Path, output: Path, variant: Variant, seed: int, ste
     return run
 
 
-def markdown(results: list[VariantResult], prompts: int, steps: int) -> str:
-    lines = [f"{steps} training steps each, tau on {prompts} held-out prompts (greedy, float32); ± = standard error "
+def markdown(results: list[VariantResult], prompts: int, steps: int, choice: DtypeChoice) -> str:
+    lines = [f"{steps} training steps each ({choice.description}), tau on {prompts} held-out prompts (greedy, float32); ± = standard error "
              "over prompts (mean of per-prompt tau)", "",
              "| variant | seeds | tau (mean of prompts) | ± s.e. | seed range | mean train loss | train s |",
              "|---|---|---|---|---|---|---|"]
@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="LAMBDA:pretrained|random:K, comma-separated")
     parser.add_argument("--seeds", default="0", help="training seeds, comma-separated")
     parser.add_argument("--held-out", type=int, default=48, help="last N prompts of the data: evaluation, not training")
+    add_argument(parser, " (of training; tau is always measured in float32)")
     args = parser.parse_args(argv)
     quickstart, output = Path(args.quickstart), Path(args.output)
     if output.resolve().is_relative_to(quickstart.resolve()):
@@ -142,6 +143,8 @@ def main(argv: list[str] | None = None) -> None:
     variants, seeds = parse_variants(args.variants), [int(seed) for seed in args.seeds.split(",")]
     torch.set_num_threads(1)
     sizes = quickstart_sizes(quickstart)
+    choice = choose_dtype(args.dtype)
+    print(choice)
     tokenizer = AutoTokenizer.from_pretrained(quickstart / "tokenizer")
     target = Qwen3ForCausalLM.from_pretrained(quickstart / "target", dtype=torch.float32).eval()
     data = load_responses(quickstart / "data")
@@ -152,9 +155,9 @@ def main(argv: list[str] | None = None) -> None:
     for seed in seeds:
         for variant in variants:
             results.append(run_variant(quickstart, output, variant, seed, args.steps, train_data, prompts, target,
-                                       tokenizer, sizes))
+                                       tokenizer, sizes, choice))
             (output / "ablations.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
-    table = markdown(results, len(prompts), args.steps)
+    table = markdown(results, len(prompts), args.steps, choice)
     (output / "ablations.md").write_text(table + "\n")
     print(table)
 
