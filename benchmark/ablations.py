@@ -111,18 +111,31 @@ def run_variant(quickstart: Path, output: Path, variant: Variant, seed: int, ste
     return run
 
 
+def paired_difference(first: list[float], second: list[float]) -> tuple[float, float]:
+    """Mean of the per-prompt differences `first - second` and its standard error (the same prompts)."""
+    differences = [a - b for a, b in zip(first, second)]
+    mean = sum(differences) / len(differences)
+    variance = sum((d - mean) ** 2 for d in differences) / max(len(differences) - 1, 1)
+    return mean, math.sqrt(variance / len(differences))
+
+
 def markdown(results: list[VariantResult], prompts: int, steps: int, choice: DtypeChoice) -> str:
-    lines = [f"{steps} training steps each ({choice.description}), tau on {prompts} held-out prompts (greedy, float32); ± = standard error "
-             "over prompts (mean of per-prompt tau)", "",
-             "| variant | seeds | tau (mean of prompts) | ± s.e. | seed range | mean train loss | train s |",
-             "|---|---|---|---|---|---|---|"]
+    """One row per variant; the last column compares it with the first variant prompt by prompt (seed 0)."""
+    lines = [f"{steps} training steps each ({choice.description}), tau on {prompts} held-out prompts (greedy, "
+             "float32); ± = standard error over prompts (mean of per-prompt tau); the last column is the per-prompt "
+             "(paired) difference from the first variant, ± its standard error", "",
+             "| variant | seeds | tau (mean of prompts) | ± s.e. | seed range | mean train loss | train s | minus first |",
+             "|---|---|---|---|---|---|---|---|"]
+    first = results[0]
     for name in dict.fromkeys(r.variant for r in results):
         rows = [r for r in results if r.variant == name]
         taus = [r.tau for r in rows]
         spread = f"{min(taus):.2f}..{max(taus):.2f}" if len(rows) > 1 else "-"
         lines.append(f"| {name} | {len(rows)} | {sum(taus) / len(taus):.2f} | "
                      f"{max(r.standard_error for r in rows):.2f} | {spread} | "
-                     f"{sum(r.final_loss for r in rows) / len(rows):.3f} | {sum(r.train_seconds for r in rows) / len(rows):.0f} |")
+                     f"{sum(r.final_loss for r in rows) / len(rows):.3f} | {sum(r.train_seconds for r in rows) / len(rows):.0f} | "
+                     + ("-" if rows[0] is first else "{:+.2f} ± {:.2f}".format(*paired_difference(rows[0].tau_per_prompt, first.tau_per_prompt)))
+                     + " |")
     return "\n".join(lines)
 
 
