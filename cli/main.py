@@ -18,6 +18,7 @@ COMMANDS = {
     "demo": ("demo", "the target alone beside D3D on the quickstart's models (else tiny random ones), checked against the target"),
     "generate-data": ("generate_data", "regenerate responses with the target (resumable)"),
     "train": ("train", "train a D3D drafter for a target (diffusion + AR loss)"),
+    "bench-train": ("bench_train", "the cost of a training step (time, tokens/s, peak memory) at real shapes"),
     "prune": ("prune", "acceptance-guided layer pruning with distillation recovery"),
     "bench": ("bench", "D3D beside its peers on the same prompts, in one process"),
     "push": ("push", "publish a drafter folder with its model card to the Hugging Face Hub"),

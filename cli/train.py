@@ -37,6 +37,12 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gamma", type=float, default=7.0, help="position-weight decay (DFlash's value for B=16)")
     parser.add_argument("--ar-weight", type=float, default=1.0, help="lambda: weight of the AR loss")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="recompute each decoder layer in backward instead of keeping its activations (less memory, "
+                             "about one more forward pass of time)")
+    parser.add_argument("--attn-implementation", choices=("auto", "sdpa", "eager", "flex_attention"), default="auto",
+                        help="attention of the packed training pass: auto = flex_attention on CUDA (the block mask as "
+                             "a sparse BlockMask), sdpa elsewhere")
     dtype.add_argument(parser)
 
 
@@ -62,6 +68,9 @@ def recipe_arguments(args: argparse.Namespace, output_dir: str, max_steps: int, 
         num_anchors=args.num_anchors,
         gamma=args.gamma,
         ar_weight=args.ar_weight,
+        attn_implementation=args.attn_implementation,
+        activation_checkpointing=args.gradient_checkpointing,
+        activation_checkpointing_kwargs={"use_reentrant": False},
         logging_steps=10,
         save_strategy="no",
         report_to=[],

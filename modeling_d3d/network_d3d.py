@@ -25,10 +25,15 @@ class D3DPackedOutput(ModelOutput):
     ar_logits: `(batch, shared_length, vocab)` next-token logits of the shared causal part (for `L_AR`).
     diffusion_logits: `(batch, K, block_size - 1, vocab)`; `[:, k, j - 1]` predicts the token at `anchor_k + j`
         from block `k`'s masked position `j` (for `L_diff`).
+    ar_hidden_states, diffusion_hidden_states: the same positions' final hidden states, `(..., hidden)` instead of
+        `(..., vocab)`, given instead of the logits with `hidden_states_only=True` (the losses apply `lm_head` only
+        where they read it, see `trainer.losses`).
     """
 
     ar_logits: torch.FloatTensor | None = None
     diffusion_logits: torch.FloatTensor | None = None
+    ar_hidden_states: torch.FloatTensor | None = None
+    diffusion_hidden_states: torch.FloatTensor | None = None
 
 
 @dataclass
@@ -88,15 +93,17 @@ class D3DBlockDiffusionModel(D3DPreTrainedModel, GenerationMixin):
         block_ids: torch.LongTensor | None = None,
         visible_prefix: torch.LongTensor | None = None,
         anchors: torch.LongTensor | None = None,
+        hidden_states_only: bool = False,
         **kwargs,
     ) -> CausalLMOutputWithPast | D3DPackedOutput:
         """Causal LM forward; with `block_ids`/`visible_prefix` (`(batch, seq)`, see `masking_d3d`) the block rule;
-        with `anchors` the packed training pass (`forward_packed`, reachable through distributed wrappers).
+        with `anchors` the packed training pass (`forward_packed`, reachable through distributed wrappers, with its
+        `hidden_states_only`).
 
         attention_mask: 2D padding mask `(batch, past + seq)`; logits: `(batch, seq or logits_to_keep, vocab)`.
         """
         if anchors is not None:
-            return self.forward_packed(input_ids, anchors, attention_mask)
+            return self.forward_packed(input_ids, anchors, attention_mask, hidden_states_only)
         return self._run(
             input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, logits_to_keep,
             block_ids, visible_prefix, **kwargs,
@@ -116,6 +123,33 @@ class D3DBlockDiffusionModel(D3DPreTrainedModel, GenerationMixin):
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """The decoder and head (not re-entering `forward`, so wrappers around it, such as autocast, apply once)."""
+        outputs = self._decode(
+            input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, block_ids,
+            visible_prefix, **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        if logits_to_keep:
+            hidden_states = hidden_states[:, -logits_to_keep:]
+        return CausalLMOutputWithPast(
+            logits=self.lm_head(hidden_states),
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+    def _decode(
+        self,
+        input_ids: torch.LongTensor | None,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.LongTensor | None,
+        past_key_values: DynamicCache | None,
+        inputs_embeds: torch.FloatTensor | None,
+        use_cache: bool | None,
+        block_ids: torch.LongTensor | None,
+        visible_prefix: torch.LongTensor | None,
+        **kwargs,
+    ):
+        """The decoder alone (`Qwen3Model` under the block rule when `block_ids` is given), no head."""
         if block_ids is not None:
             if position_ids is None or visible_prefix is None:
                 raise ValueError("block_ids needs position_ids and visible_prefix (see masking_d3d.block_layout)")
@@ -127,7 +161,7 @@ class D3DBlockDiffusionModel(D3DPreTrainedModel, GenerationMixin):
                 self.config, inputs_embeds, block_ids, visible_prefix, past_length, attention_mask
             )
             attention_mask = {"full_attention": mask}
-        outputs = self.model(
+        return self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -135,15 +169,6 @@ class D3DBlockDiffusionModel(D3DPreTrainedModel, GenerationMixin):
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             **kwargs,
-        )
-        hidden_states = outputs.last_hidden_state
-        if logits_to_keep:
-            hidden_states = hidden_states[:, -logits_to_keep:]
-        return CausalLMOutputWithPast(
-            logits=self.lm_head(hidden_states),
-            past_key_values=outputs.past_key_values,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
         )
 
     def _require_mask_token(self) -> int:
@@ -166,11 +191,14 @@ class D3DBlockDiffusionModel(D3DPreTrainedModel, GenerationMixin):
         input_ids: torch.LongTensor,
         anchors: torch.LongTensor,
         attention_mask: torch.Tensor | None = None,
+        hidden_states_only: bool = False,
     ) -> D3DPackedOutput:
         """One training pass: the shared causal part `input_ids` (prompt + response) and K packed blocks.
 
         input_ids: `(batch, S)`; anchors: `(batch, K)` indices `s_k` into `input_ids` (block k is
         `[input_ids[s_k], M, ...]`, sees `input_ids[:s_k]` and itself); attention_mask: `(batch, S)` padding.
+        hidden_states_only: return the final hidden states of those positions instead of their logits (no
+        `(positions, vocab)` matrix is formed here).
         """
         batch, shared_length = input_ids.shape
         block_size = self.config.block_size
@@ -178,12 +206,15 @@ class D3DBlockDiffusionModel(D3DPreTrainedModel, GenerationMixin):
         block_ids, visible_prefix, position_ids = block_layout(shared_length, anchors, block_size)
         if attention_mask is not None:
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(blocks.shape)], dim=1)
-        logits = self._run(
-            torch.cat([input_ids, blocks], dim=1), attention_mask, position_ids, None, None, False, 0, block_ids,
+        hidden = self._decode(
+            torch.cat([input_ids, blocks], dim=1), attention_mask, position_ids, None, None, False, block_ids,
             visible_prefix,
-        ).logits
-        block_logits = logits[:, shared_length:].reshape(batch, anchors.shape[1], block_size, -1)
-        return D3DPackedOutput(ar_logits=logits[:, :shared_length], diffusion_logits=block_logits[:, :, 1:])
+        ).last_hidden_state
+        outputs = hidden if hidden_states_only else self.lm_head(hidden)
+        shared, block = outputs[:, :shared_length], outputs[:, shared_length:].reshape(batch, anchors.shape[1], block_size, -1)
+        if hidden_states_only:
+            return D3DPackedOutput(ar_hidden_states=shared, diffusion_hidden_states=block[:, :, 1:])
+        return D3DPackedOutput(ar_logits=shared, diffusion_logits=block[:, :, 1:])
 
     @torch.no_grad()
     def draft_block(

@@ -5,12 +5,14 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from conftest import tiny_target
 from modeling_d3d import D3DForBlockDiffusion
 from trainer.collator import D3DCollator
 from trainer.d3d_trainer import d3d_loss_terms
-from trainer.losses import IGNORE_INDEX, adjust_teacher, distillation_loss
+from trainer.losses import IGNORE_INDEX, adjust_teacher, distillation_loss, position_weights
 
 BLOCK, GAMMA, LAMBDA = 4, 2.5, 0.7
 
@@ -105,5 +107,93 @@ def test_distillation_loss_equals_a_looped_kl():
         weight = math.exp(-index[2] / GAMMA)
         numerator += weight * kl
         denominator += weight
-    assert distillation_loss(student, teacher, labels, GAMMA).item() == pytest.approx(numerator / denominator, abs=1e-5)
+    identity = nn.Linear(6, 6, bias=False)  # a head that passes logits through as "hidden states"
+    nn.init.eye_(identity.weight)
+    loss = distillation_loss(student, identity, teacher, identity, labels, GAMMA)
+    assert loss.item() == pytest.approx(numerator / denominator, abs=1e-5)
 
+
+# The losses as they were before they read hidden states: every position's logits, then the supervised ones picked
+# by their labels (upcast to at least float32, so a float64 model is compared in float64).
+def full_logits_diffusion_loss(diffusion_logits, block_labels, gamma):
+    wide = diffusion_logits.to(torch.promote_types(diffusion_logits.dtype, torch.float32))
+    nll = F.cross_entropy(wide.flatten(0, -2), block_labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
+    weights = position_weights(block_labels.shape[-1], gamma, dtype=wide.dtype) * (block_labels != IGNORE_INDEX)
+    return (nll.view_as(block_labels) * weights).sum() / weights.sum().clamp_min(1e-12)
+
+
+def full_logits_ar_loss(ar_logits, ar_labels):
+    wide = ar_logits.to(torch.promote_types(ar_logits.dtype, torch.float32))
+    return F.cross_entropy(wide.flatten(0, -2), ar_labels.flatten(), ignore_index=IGNORE_INDEX)
+
+
+def full_logits_distillation_loss(student_logits, teacher_logits, block_labels, gamma, delta=0.01):
+    supervised = block_labels != IGNORE_INDEX
+    teacher = adjust_teacher(teacher_logits.double().softmax(-1), block_labels.clamp_min(0), delta)
+    kl = (teacher * (teacher.clamp_min(1e-30).log() - student_logits.double().log_softmax(-1))).sum(-1)
+    weights = position_weights(block_labels.shape[-1], gamma, dtype=kl.dtype) * supervised
+    return (kl * weights).sum() / weights.sum().clamp_min(1e-12)
+
+
+def full_logits_terms(model, batch, teacher):
+    packed = {name: batch[name] for name in ("input_ids", "anchors", "attention_mask")}
+    outputs = model(**packed)
+    terms = {"diffusion": full_logits_diffusion_loss(outputs.diffusion_logits, batch["block_labels"], GAMMA),
+             "ar": full_logits_ar_loss(outputs.ar_logits, batch["ar_labels"])}
+    with torch.no_grad():
+        teacher_logits = teacher(**packed).diffusion_logits
+    terms["kl"] = full_logits_distillation_loss(outputs.diffusion_logits, teacher_logits, batch["block_labels"], GAMMA)
+    terms["loss"] = terms["diffusion"] + LAMBDA * terms["ar"] + terms["kl"]
+    return terms
+
+
+def gradients(model, loss) -> dict[str, torch.Tensor]:
+    model.zero_grad()
+    loss.backward()
+    return {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
+
+
+@pytest.mark.parametrize("chunk_elements", [2**26, 5 * 96, 96])  # one chunk; chunks of 5 positions; of one
+def test_hidden_state_losses_equal_the_full_logits_losses_and_their_gradients(chunk_elements):
+    """Ragged rows (padding, padded blocks, blocks past the response end, prompts): every term and every parameter's
+    gradient equals the full-logits computation in float64, with and without chunks."""
+    student = D3DForBlockDiffusion.from_backbone(tiny_target(2), block_size=BLOCK).double()
+    teacher = D3DForBlockDiffusion.from_backbone(tiny_target(4), block_size=BLOCK).double().eval()
+    batch = D3DCollator(block_size=BLOCK, num_anchors=5, seed=3)(examples())
+    assert (batch["block_labels"] == IGNORE_INDEX).any() and (batch["attention_mask"] == 0).any()
+    expected = full_logits_terms(student, batch, teacher)
+    expected_gradients = gradients(student, expected["loss"])
+    terms = d3d_loss_terms(student, batch, GAMMA, LAMBDA, teacher, chunk_elements=chunk_elements)
+    assert set(terms) == set(expected)
+    for name in expected:
+        torch.testing.assert_close(terms[name], expected[name], rtol=1e-12, atol=1e-12)
+    for name, gradient in gradients(student, terms["loss"]).items():
+        torch.testing.assert_close(gradient, expected_gradients[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+
+class RowCountingHead(nn.Module):
+    """Wraps an LM head and records how many positions each call forms logits for."""
+
+    def __init__(self, head: nn.Linear):
+        super().__init__()
+        self.head, self.weight, self.calls = head, head.weight, []
+
+    def forward(self, hidden):
+        self.calls.append(hidden.shape[0])
+        return self.head(hidden)
+
+
+def test_the_head_forms_logits_only_at_supervised_positions_a_chunk_at_a_time():
+    student = D3DForBlockDiffusion.from_backbone(tiny_target(2), block_size=BLOCK)
+    teacher = D3DForBlockDiffusion.from_backbone(tiny_target(4), block_size=BLOCK).eval()
+    batch = D3DCollator(block_size=BLOCK, num_anchors=5, seed=3)(examples())
+    head, teacher_head = RowCountingHead(student.lm_head), RowCountingHead(teacher.lm_head)
+    terms = d3d_loss_terms(student, batch, GAMMA, LAMBDA, teacher, head=head, teacher_head=teacher_head,
+                           chunk_elements=4 * 96)
+    forward_calls = list(head.calls)
+    terms["loss"].backward()
+    supervised = int((batch["ar_labels"] != IGNORE_INDEX).sum() + 2 * (batch["block_labels"] != IGNORE_INDEX).sum())
+    assert sum(forward_calls) == supervised  # AR positions once; masked positions for L_diff and for L_KL
+    assert sum(teacher_head.calls) == 2 * int((batch["block_labels"] != IGNORE_INDEX).sum())  # forward + recompute
+    assert max(head.calls) == 4 and head.calls[len(forward_calls):]  # chunks of 4 positions, recomputed in backward

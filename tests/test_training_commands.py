@@ -37,7 +37,8 @@ def test_train_runs_distributed_with_two_processes(workspace):
         "--mixed_precision", "no", "--dynamo_backend", "no", "--multi_gpu", "-m", "cli.main", "train",
         "--target", str(workspace / "target"), "--data", str(workspace / "data"), "--output", str(workspace / "drafter"),
         "--block-size", "4", "--max-steps", "6", "--num-anchors", "4", "--learning-rate", "1e-3",
-        "--global-batch-size", "8", "--per-device-batch-size", "2",
+        "--global-batch-size", "8", "--per-device-batch-size", "2", "--gradient-checkpointing",
+        "--attn-implementation", "sdpa",
     ]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]

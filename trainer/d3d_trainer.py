@@ -7,7 +7,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from .collator import D3DCollator
-from .losses import DFLASH_GAMMA, ar_loss, diffusion_loss, distillation_loss
+from .losses import DFLASH_GAMMA, LOGITS_CHUNK_ELEMENTS, ar_loss, diffusion_loss, distillation_loss
 
 
 @dataclass
@@ -18,29 +18,58 @@ class D3DTrainingArguments(TrainingArguments):
     gamma: float = field(default=DFLASH_GAMMA, metadata={"help": "Decay of the position weights exp(-(j-1)/gamma)."})
     ar_weight: float = field(default=1.0, metadata={"help": "lambda in L_train = L_diff + lambda * L_AR."})
     kl_margin: float = field(default=0.01, metadata={"help": "delta: margin the adjusted teacher gives the label."})
+    logits_chunk_elements: int = field(
+        default=LOGITS_CHUNK_ELEMENTS,
+        metadata={"help": "Positions x vocabulary entries of the logits formed at once by the losses (chunked LM head)."},
+    )
+    attn_implementation: str = field(
+        default="auto",
+        metadata={"help": "Attention for the packed training pass: auto (flex_attention on CUDA, where the block mask "
+                          "becomes a sparse BlockMask, sdpa elsewhere; flex has no CPU backward), sdpa, eager or "
+                          "flex_attention. The drafter leaves training with its own implementation back."},
+    )
     remove_unused_columns: bool = field(default=False, metadata={"help": "Keep prompt/completion for the collator."})
 
 
 def d3d_loss_terms(
-    model, inputs: dict[str, torch.Tensor], gamma: float, ar_weight: float, teacher=None, kl_margin: float = 0.01
+    model, inputs: dict[str, torch.Tensor], gamma: float, ar_weight: float, teacher=None, kl_margin: float = 0.01,
+    head=None, teacher_head=None, chunk_elements: int = LOGITS_CHUNK_ELEMENTS,
 ) -> dict[str, torch.Tensor]:
     """One packed forward pass and the loss terms: `loss`, `diffusion`, `ar` and, with a teacher, `kl`.
-    `model` may be wrapped (DDP): the packed pass goes through its `forward` (`anchors=...`).
+    `model` may be wrapped (DDP): the packed pass goes through its `forward` (`anchors=...`) and returns final hidden
+    states; the losses apply `head` (default: `model.get_output_embeddings()`, pass the unwrapped model's) only at
+    supervised positions, `chunk_elements` logits at a time (see `trainer.losses`).
 
     `loss = L_diff + ar_weight * L_AR (+ L_KL)`; inputs as produced by `D3DCollator`."""
     packed = {name: inputs[name] for name in ("input_ids", "anchors", "attention_mask") if name in inputs}
-    outputs = model(**packed)
+    head = head if head is not None else model.get_output_embeddings()
+    outputs = model(**packed, hidden_states_only=True)
+    block_labels = inputs["block_labels"]
     terms = {
-        "diffusion": diffusion_loss(outputs.diffusion_logits, inputs["block_labels"], gamma),
-        "ar": ar_loss(outputs.ar_logits, inputs["ar_labels"]),
+        "diffusion": diffusion_loss(outputs.diffusion_hidden_states, head, block_labels, gamma, chunk_elements),
+        "ar": ar_loss(outputs.ar_hidden_states, head, inputs["ar_labels"], chunk_elements),
     }
     terms["loss"] = terms["diffusion"] + ar_weight * terms["ar"]
     if teacher is not None:
+        teacher_head = teacher_head if teacher_head is not None else teacher.get_output_embeddings()
         with torch.no_grad():
-            teacher_logits = teacher(**packed).diffusion_logits
-        terms["kl"] = distillation_loss(outputs.diffusion_logits, teacher_logits, inputs["block_labels"], gamma, kl_margin)
+            teacher_hidden = teacher(**packed, hidden_states_only=True).diffusion_hidden_states
+        terms["kl"] = distillation_loss(
+            outputs.diffusion_hidden_states, head, teacher_hidden, teacher_head, block_labels, gamma, kl_margin,
+            chunk_elements,
+        )
         terms["loss"] = terms["loss"] + terms["kl"]
     return terms
+
+
+def training_attention(requested: str, device: torch.device) -> str:
+    """`auto`: flex_attention on CUDA (the block mask as a BlockMask, no dense `(positions, positions)` mask), sdpa
+    elsewhere (flex attention has no backward on CPUs); anything else as given."""
+    if requested == "auto":
+        return "flex_attention" if device.type == "cuda" else "sdpa"
+    if requested not in ("sdpa", "eager", "flex_attention"):
+        raise ValueError(f"attn_implementation {requested!r}: use auto, sdpa, eager or flex_attention")
+    return requested
 
 
 class D3DTrainer(Trainer):
@@ -67,14 +96,26 @@ class D3DTrainer(Trainer):
         self._term_steps = 0
 
     def train(self, *args, **kwargs):
-        """Train, then drop the mixed-precision wrapper accelerate put on `forward`: the drafter leaves training
-        exactly as it would load from disk (an autocast forward is slower and not what was saved)."""
-        output = super().train(*args, **kwargs)
+        """Train with `args.attn_implementation`, then give the drafter its own attention back and drop the
+        mixed-precision wrapper accelerate put on `forward`: the drafter leaves training exactly as it would load from
+        disk (an autocast forward is slower and not what was saved)."""
+        own = self.model.config._attn_implementation
+        self.model.set_attn_implementation(training_attention(self.args.attn_implementation, self.args.device))
+        try:
+            output = super().train(*args, **kwargs)
+        finally:
+            self.model.set_attn_implementation(own)
         self.accelerator.unwrap_model(self.model, keep_fp32_wrapper=False)
         return output
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        terms = d3d_loss_terms(model, inputs, self.args.gamma, self.args.ar_weight, self.teacher_model, self.args.kl_margin)
+        unwrap = self.accelerator.unwrap_model
+        teacher_head = unwrap(self.teacher_model).get_output_embeddings() if self.teacher_model is not None else None
+        with self.accelerator.autocast():  # the head runs outside `model.forward`, under the same mixed precision
+            terms = d3d_loss_terms(
+                model, inputs, self.args.gamma, self.args.ar_weight, self.teacher_model, self.args.kl_margin,
+                unwrap(model).get_output_embeddings(), teacher_head, self.args.logits_chunk_elements,
+            )
         for name, value in terms.items():
             if name != "loss":
                 self._term_sums[f"loss_{name}"] += value.detach().item()
@@ -89,4 +130,4 @@ class D3DTrainer(Trainer):
         super().log(logs, *args, **kwargs)
 
 
-__all__ = ["D3DTrainer", "D3DTrainingArguments", "d3d_loss_terms"]
+__all__ = ["D3DTrainer", "D3DTrainingArguments", "d3d_loss_terms", "training_attention"]

@@ -1,0 +1,307 @@
+"""What a D3D training step costs: time, packed tokens per second and peak memory of one forward + backward of the
+training losses on randomly initialised drafters of real shapes (no download: only costs matter, not weights).
+
+Two loss paths on the same batch: `full-logits` (every packed position's logits, upcast to float32, as the losses
+were before they read hidden states; kept here as the baseline and as the tests' reference) and `hidden-states`
+(`trainer.d3d_trainer.d3d_loss_terms`: logits only at supervised positions, a chunk at a time). Peak memory is the
+step's own: CUDA `max_memory_allocated` above what was allocated before the step; CPU the process's peak resident
+set (`VmHWM`, reset through `/proc/self/clear_refs`) above its resident set before the step. Gradients are freed
+before each step, so their allocation is part of the peak; optimizer states are not measured (see `projection`).
+"""
+
+import json
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from modeling_d3d import D3DForBlockDiffusion
+from modeling_d3d.sources_d3d import synchronize
+from trainer.collator import D3DCollator
+from trainer.d3d_trainer import d3d_loss_terms
+from trainer.losses import DFLASH_GAMMA, IGNORE_INDEX, LOGITS_CHUNK_ELEMENTS, adjust_teacher, position_weights
+
+LOSS_PATHS = ("full-logits", "hidden-states")
+
+
+@dataclass(frozen=True)
+class TrainShape:
+    """A drafter (Qwen3 shape) and one batch: `batch` rows of `prompt + response` tokens with `anchors` blocks."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    prompt: int
+    response: int
+    anchors: int
+    block: int
+    batch: int
+
+    @property
+    def packed_positions(self) -> int:
+        """Positions of one packed training sequence: the shared part and the K blocks."""
+        return self.prompt + self.response + self.anchors * self.block
+
+    def config(self) -> Qwen3Config:
+        return Qwen3Config(
+            vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.intermediate,
+            num_hidden_layers=self.layers, num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
+            head_dim=self.head_dim, tie_word_embeddings=self.tied, max_position_embeddings=32768,
+        )
+
+
+SHAPES = {
+    "tiny": TrainShape(32, 64, 2, 4, 2, 8, 96, False, 8, 24, 6, 4, 2),
+    # The quickstart's drafter (from its assistant) and its training batch (QuickstartSizes).
+    "quickstart": TrainShape(128, 384, 2, 2, 1, 64, 4096, True, 32, 128, 16, 16, 8),
+    # Qwen3-8B's vocabulary, width and layer shape with one layer; a 2k-token response and K = 64.
+    "qwen3-8b-vocab": TrainShape(4096, 12288, 1, 32, 8, 128, 151936, False, 128, 2048, 64, 16, 1),
+}
+# The paper's recipe (D3D-8B from Qwen3-8B, K = 128, global batch 16 on 8 GPUs: 2 sequences per device).
+PAPER_8B = TrainShape(4096, 12288, 36, 32, 8, 128, 151936, False, 128, 4096, 128, 16, 2)
+
+
+def random_drafter(shape: TrainShape, device: str, dtype: torch.dtype, attn: str = "sdpa") -> D3DForBlockDiffusion:
+    """A D3D drafter of `shape` with random weights, built on `device` in `dtype`."""
+    config = shape.config()
+    config._attn_implementation = attn
+    torch.manual_seed(0)
+    with torch.device(device):
+        backbone = Qwen3ForCausalLM._from_config(config, dtype=dtype)
+    return D3DForBlockDiffusion.from_backbone(backbone, block_size=shape.block, mask_token_id=shape.vocab - 1)
+
+
+def random_batch(shape: TrainShape, device: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    examples = [
+        {"prompt": torch.randint(0, shape.vocab - 1, (shape.prompt,), generator=generator).tolist(),
+         "completion": torch.randint(0, shape.vocab - 1, (shape.response,), generator=generator).tolist()}
+        for _ in range(shape.batch)
+    ]
+    batch = D3DCollator(block_size=shape.block, num_anchors=shape.anchors, seed=seed)(examples)
+    return {name: value.to(device) for name, value in batch.items()}
+
+
+def full_logits_loss_terms(model, inputs: dict[str, torch.Tensor], gamma: float, ar_weight: float, teacher=None,
+                           kl_margin: float = 0.01) -> dict[str, torch.Tensor]:
+    """The losses as they were before they read hidden states: logits at every packed position, upcast to at least
+    float32, the supervised ones picked by their labels. Same terms as `d3d_loss_terms`."""
+    packed = {name: inputs[name] for name in ("input_ids", "anchors", "attention_mask") if name in inputs}
+    outputs = model(**packed)
+    block_labels, ar_labels = inputs["block_labels"], inputs["ar_labels"]
+    wide = torch.promote_types(outputs.diffusion_logits.dtype, torch.float32)
+    diffusion_logits = outputs.diffusion_logits.to(wide)
+    weights = position_weights(block_labels.shape[-1], gamma, block_labels.device, wide) * (block_labels != IGNORE_INDEX)
+    nll = F.cross_entropy(diffusion_logits.flatten(0, -2), block_labels.flatten(), ignore_index=IGNORE_INDEX,
+                          reduction="none").view_as(block_labels)
+    terms = {"diffusion": (nll * weights).sum() / weights.sum().clamp_min(1e-12),
+             "ar": F.cross_entropy(outputs.ar_logits.to(wide).flatten(0, -2), ar_labels.flatten(), ignore_index=IGNORE_INDEX)}
+    terms["loss"] = terms["diffusion"] + ar_weight * terms["ar"]
+    if teacher is not None:
+        with torch.no_grad():
+            teacher_logits = teacher(**packed).diffusion_logits.to(wide)
+        adjusted = adjust_teacher(teacher_logits.softmax(-1), block_labels.clamp_min(0), kl_margin)
+        kl = (adjusted * (adjusted.clamp_min(1e-30).log() - diffusion_logits.log_softmax(-1))).sum(-1)
+        terms["kl"] = (kl * weights).sum() / weights.sum().clamp_min(1e-12)
+        terms["loss"] = terms["loss"] + terms["kl"]
+    return terms
+
+
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+class PeakMemory:
+    """The peak memory a block of work adds (bytes): CUDA allocator peak, or the CPU process's peak resident set."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peak = 0
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+        else:
+            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident set (Linux)
+            self.base = _status_bytes("VmRSS")
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self.base
+        else:
+            self.peak = _status_bytes("VmHWM") - self.base
+        return False
+
+
+@dataclass
+class StepCost:
+    shape: str
+    loss_path: str
+    gradient_checkpointing: bool
+    layers: int
+    packed_positions: int
+    seconds: float
+    tokens_per_second: float
+    peak_bytes: int
+    loss: float
+
+
+def step_costs(name: str, shape: TrainShape, loss_paths: list[str], device: str, dtype: torch.dtype, repeats: int,
+               gradient_checkpointing: bool = False, autocast: bool = False) -> list[StepCost]:
+    """Per loss path: the median seconds and the largest peak memory of `repeats` forward + backward steps (after one
+    warm-up step each when `repeats > 1`) on one random drafter and batch of `shape`, the paths interleaved step by
+    step so that a busy machine slows each alike."""
+    model = random_drafter(shape, device, dtype).train()
+    if gradient_checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    batch = random_batch(shape, device)
+    target = torch.device(device)
+
+    def step(path: str) -> float:
+        losses = full_logits_loss_terms if path == "full-logits" else d3d_loss_terms
+        with torch.autocast(target.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = losses(model, batch, DFLASH_GAMMA, 1.0)["loss"]
+        loss.backward()
+        return loss.item()
+
+    if repeats > 1:
+        for path in loss_paths:
+            model.zero_grad(set_to_none=True)
+            step(path)
+    times, peaks, losses = ({path: [] for path in loss_paths} for _ in range(3))
+    for _ in range(max(repeats - 1, 1)):
+        for path in loss_paths:
+            model.zero_grad(set_to_none=True)
+            with PeakMemory(target) as memory:
+                start = time.perf_counter()
+                losses[path].append(step(path))
+                synchronize(target)
+                times[path].append(time.perf_counter() - start)
+            peaks[path].append(memory.peak)
+    positions = shape.packed_positions * shape.batch
+    costs = []
+    for path in loss_paths:
+        seconds = sorted(times[path])[len(times[path]) // 2]
+        costs.append(StepCost(name, path, gradient_checkpointing, shape.layers, positions, seconds, positions / seconds,
+                              max(peaks[path]), losses[path][-1]))
+    return costs
+
+
+def parameter_count(shape: TrainShape) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in Qwen3ForCausalLM(shape.config()).parameters())
+
+
+def projection(costs: list[StepCost], measured: TrainShape, itemsize: int, paper: TrainShape = PAPER_8B,
+               chunk_elements: int = LOGITS_CHUNK_ELEMENTS) -> dict:
+    """Per-device memory of the paper's recipe, projected from measured per-position figures at `measured`'s width.
+
+    One layer's activations per packed position: from hidden-states steps at two depths, the difference less that
+    layer's gradient; from one depth, the whole step's peak less every gradient, divided by the depth (an upper bound:
+    the embedding, final norm and the loss's buffers count as layer activations). With gradient checkpointing a layer
+    keeps its input (`itemsize * hidden` per position, or the measured difference of two checkpointed depths) and one
+    layer at a time is recomputed. Logits: the full-logits step's peak less the hidden-states step's, per position.
+    Weights and gradients in bf16, 8-bit AdamW: 2 + 2 + 2 bytes per parameter. `itemsize`: bytes per element of the
+    measured steps' parameters."""
+    def rows(path, checkpointing):
+        return {c.layers: c for c in costs if c.loss_path == path and c.gradient_checkpointing == checkpointing}
+
+    plain_rows, checkpointed_rows, full_rows = rows("hidden-states", False), rows("hidden-states", True), rows("full-logits", False)
+    if not plain_rows:
+        raise ValueError("the projection needs a hidden-states step without gradient checkpointing")
+    positions = measured.packed_positions * measured.batch
+    depths = sorted(plain_rows)
+    low = depths[0]
+
+    def layer_parameters(layers: int) -> int:
+        return parameter_count(replace(measured, layers=layers + 1)) - parameter_count(replace(measured, layers=layers))
+
+    def difference(by_depth: dict) -> float:
+        high = sorted(by_depth)[1]
+        return ((by_depth[high].peak_bytes - by_depth[low].peak_bytes) / (high - low) - itemsize * layer_parameters(low)) / positions
+
+    if len(depths) >= 2:
+        plain, method = difference(plain_rows), f"difference of {depths[0]} and {depths[1]} layers"
+    else:
+        gradients = itemsize * parameter_count(replace(measured, layers=low))
+        plain, method = (plain_rows[low].peak_bytes - gradients) / (low * positions), f"one depth ({low}), an upper bound"
+    kept = difference(checkpointed_rows) if low in checkpointed_rows and len(checkpointed_rows) >= 2 else itemsize * measured.hidden
+    logits_per_position = ((full_rows[low].peak_bytes - plain_rows[low].peak_bytes) / positions
+                           if low in full_rows else None)
+    parameters = parameter_count(paper)
+    paper_positions = paper.packed_positions * paper.batch
+    states = {"weights (bf16)": 2 * parameters, "gradients (bf16)": 2 * parameters, "8-bit AdamW states": 2 * parameters}
+    activations = {"activations, no checkpointing": plain * paper.layers * paper_positions,
+                   "activations, gradient checkpointing": (kept * paper.layers + plain) * paper_positions}
+    logits = {"logits, full-logits losses": logits_per_position * paper_positions if logits_per_position else None,
+              "logits, hidden-states losses (one chunk, ~4 float32 copies)": 4 * 4 * chunk_elements}
+    return {"parameters": parameters, "paper_positions_per_device": paper_positions, "states": states,
+            "activations": activations, "logits": logits, "per_position": {
+                "layer_activation_bytes": plain, "layer_activation_method": method,
+                "checkpointed_layer_bytes": kept, "full_logits_bytes": logits_per_position}}
+
+
+def cost_table(costs: list[StepCost]) -> str:
+    lines = ["| shape | loss path | grad. ckpt | layers | packed positions | step s | positions/s | peak GiB | loss |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for c in costs:
+        lines.append(f"| {c.shape} | {c.loss_path} | {'yes' if c.gradient_checkpointing else 'no'} | {c.layers} | "
+                     f"{c.packed_positions} | {c.seconds:.3f} | {c.tokens_per_second:,.0f} | {c.peak_bytes / 2**30:.2f} | "
+                     f"{c.loss:.4f} |")
+    return "\n".join(lines)
+
+
+def projection_table(result: dict, paper: TrainShape = PAPER_8B) -> str:
+    """Totals against 80 GB and 141 GB devices, replicated (DDP) and with states sharded over 8 devices."""
+    gb = 1e9
+    states = sum(result["states"].values())
+    lines = [
+        f"PROJECTION (not measured): D3D-8B ({result['parameters'] / 1e9:.2f}B parameters, {paper.layers} layers), "
+        f"K = {paper.anchors}, {paper.prompt}-token prompt + {paper.response}-token response, {paper.batch} sequences "
+        f"per device ({result['paper_positions_per_device']} packed positions), global batch 16 on 8 GPUs; per packed "
+        f"position: one layer's activations {result['per_position']['layer_activation_bytes'] / 1e3:.1f} kB "
+        f"({result['per_position']['layer_activation_method']}), kept per layer under checkpointing "
+        f"{result['per_position']['checkpointed_layer_bytes'] / 1e3:.1f} kB, full logits "
+        + (f"{result['per_position']['full_logits_bytes'] / 1e6:.2f} MB" if result['per_position']['full_logits_bytes'] else "n/a"),
+        "", "| component | GB per device |", "|---|---|"]
+    for name, value in {**result["states"], **result["activations"], **result["logits"]}.items():
+        lines.append(f"| {name} | {'n/a' if value is None else f'{value / gb:.1f}'} |")
+    lines += ["", "| configuration | GB | fits 80 GB | fits 141 GB |", "|---|---|---|---|"]
+    for sharded in (False, True):
+        state_bytes = states / 8 if sharded else states
+        for activation_name, activation in result["activations"].items():
+            for logits_name, logits in result["logits"].items():
+                if activation is None or logits is None:
+                    continue
+                total = state_bytes + activation + logits
+                label = (f"{'states sharded /8 (ZeRO-3/FSDP)' if sharded else 'DDP'}, "
+                         f"{activation_name.split(', ')[1]}, {logits_name.split(', ')[1].split(' (')[0]}")
+                lines.append(f"| {label} | {total / gb:.1f} | {'yes' if total < 80 * gb else 'no'} | "
+                             f"{'yes' if total < 141 * gb else 'no'} |")
+    return "\n".join(lines)
+
+
+def write(costs: list[StepCost], projected: dict | None, output: Path) -> None:
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "bench-train.json").write_text(json.dumps(
+        {"steps": [asdict(c) for c in costs], "projection": projected}, indent=1))
+
+
+__all__ = ["LOSS_PATHS", "PAPER_8B", "SHAPES", "PeakMemory", "StepCost", "TrainShape", "cost_table",
+           "full_logits_loss_terms", "projection", "projection_table", "random_batch", "random_drafter", "step_costs",
+           "write"]
