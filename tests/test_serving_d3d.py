@@ -234,3 +234,20 @@ def test_a_requests_own_eos_reaches_the_processors_that_need_it(models):
     for prompt, result in zip(requests, results):
         out = target.generate(torch.tensor([prompt]), do_sample=False, pad_token_id=eos, **settings)
         assert result == out[0, len(prompt):].tolist()[: len(result)] and len(result) >= 4
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_seeded_request_samples_the_same_tokens_alone_and_batched(models, asynchronous):
+    """A request's random draws come from its own generators only: the tokens of a seeded request do not depend on
+    which others share its batch (async rounds where its branches hit and a companion's miss included)."""
+    target, drafter = models
+    requests = prompts(4, seed=11)
+    settings = dict(max_new_tokens=40, do_sample=True, temperature=1.5)
+    with D3DBatchServer(target, drafter, max_batch_size=4, asynchronous=asynchronous) as server:
+        solo = server.submit(requests[0], seed=7, **settings).result(timeout=WAIT)
+        with server._condition:  # all four join the same first batch
+            handles = [server.submit(p, seed=7 if i == 0 else 100 + i, **settings) for i, p in enumerate(requests)]
+        batched = [handle.result(timeout=WAIT) for handle in handles]
+        if asynchronous:
+            assert 0 < server.stats.hit_rate < 1, "rounds where some rows hit and others missed"
+    assert batched[0] == solo
