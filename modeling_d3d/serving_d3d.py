@@ -114,6 +114,18 @@ class RequestHandle:
             self._chunks.put(_END)
 
 
+def _as_request_error(error: BaseException) -> Exception:
+    """The error a request fails with: `error` itself if it is an `Exception`; else (a `BaseException` that a
+    request's own processors or criteria raised on the scheduler thread, which is never the main thread, so never a
+    Ctrl-C) a `RuntimeError` naming it, so a client's `except Exception` sees it and does not take it for its own
+    interrupt or exit."""
+    if isinstance(error, Exception):
+        return error
+    wrapped = RuntimeError(f"a request's decoding raised {error!r}")
+    wrapped.__cause__ = error
+    return wrapped
+
+
 @dataclass
 class _Queues:
     waiting: list[RequestHandle]
@@ -155,6 +167,7 @@ class D3DBatchServer:
         self._next_id = 0
         self._condition = threading.Condition()
         self._closed = False
+        self._stopped: BaseException | None = None  # why the scheduler ended, once it has
         self._thread = threading.Thread(target=self._schedule, name="d3d-batch-server", daemon=True)
         self._thread.start()
 
@@ -215,6 +228,8 @@ class D3DBatchServer:
         settings = RowSettings(max_new_tokens, bool(config.do_sample), eos_ids(config), processors, criteria, seed)
         self._decoder.check_request(prompt, settings)
         with self._condition:
+            if self._stopped is not None and not isinstance(self._stopped, CancelledError):
+                raise RuntimeError(f"This D3DBatchServer cannot take requests: {self._stopped}") from self._stopped
             if self._closed:
                 raise RuntimeError("This D3DBatchServer is closed")
             handle = RequestHandle(self._next_id, prompt, settings, self._wake)
@@ -228,17 +243,27 @@ class D3DBatchServer:
             self._condition.notify_all()
 
     def _schedule(self) -> None:
-        """The scheduler thread: rounds until `close()`; an unexpected error ends the requests it holds, not the
-        thread, so no request waits on a dead scheduler."""
-        while True:
-            try:
-                if not self._schedule_round():
-                    break
-            except Exception as error:
-                self._decoder.reset()
-                self._end_all(error)
-        self._end_all(CancelledError("the D3DBatchServer was closed"))
-        self._decoder.close()
+        """The scheduler thread: rounds until `close()`. An error of a round ends the requests it holds, not the
+        thread; should the thread end any other way, every request ends with the reason and `submit` refuses new
+        ones, so no request waits on a dead scheduler."""
+        ended: BaseException = CancelledError("the D3DBatchServer was closed")
+        try:
+            while True:
+                try:
+                    if not self._schedule_round():
+                        break
+                except BaseException as error:  # a round failed (see _as_request_error)
+                    self._decoder.reset()
+                    self._end_all(_as_request_error(error))
+        except BaseException as error:
+            ended = RuntimeError(f"the D3DBatchServer's scheduler stopped: {error!r}")
+            ended.__cause__ = error
+            raise
+        finally:
+            with self._condition:
+                self._closed, self._stopped = True, ended
+            self._end_all(ended)
+            self._decoder.close()
 
     def _schedule_round(self) -> bool:
         """Drop cancelled rows, admit waiting requests, run one round; False once closed."""
@@ -267,12 +292,12 @@ class D3DBatchServer:
     def _round(self) -> None:
         try:
             outcomes = self._decoder.step()
-        except Exception as error:  # a batched pass failed: its rows cannot be trusted, their requests fail
+        except BaseException as error:  # a batched pass failed: its rows cannot be trusted, they fail
             self._decoder.reset()
             with self._condition:
                 failed, self._queues.active = list(self._queues.active.values()), {}
             for handle in failed:
-                handle._fail(error)
+                handle._fail(_as_request_error(error))
             return
         for outcome in outcomes:
             handle = self._queues.active[outcome.key]
