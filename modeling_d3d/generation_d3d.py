@@ -15,6 +15,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .engine_d3d import RoundRecord, RowSettings, SpeculativeEngine
 from .drafting_d3d import compiled_forward
+from .inputs_d3d import check_prompts
 from .sources_d3d import DEFAULT_FANOUT, BlockSource, SuccessorSource
 
 # generate settings whose processors depend on the prompt's length (or, for repetition_penalty, its padding): built
@@ -134,6 +135,7 @@ def speculative_generate(
     `GenerateDecoderOnlyOutput` with `return_dict_in_generate=True`).
     """
     check_generation_settings(generation_config, synced_gpus)
+    check_prompts(input_ids, model_kwargs.get("attention_mask"))
     put_prompt = streamer is None and d3d_streamer is not None
     streamer = streamer if streamer is not None else d3d_streamer
     batch = input_ids.shape[0]

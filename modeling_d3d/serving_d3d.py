@@ -19,6 +19,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from .network_d3d import check_compatibility
 from .engine_d3d import RoundRecord, RowSettings, SpeculativeEngine
 from .generation_d3d import check_generation_settings, eos_ids, make_source
+from .inputs_d3d import check_prompts
 from .sources_d3d import DEFAULT_FANOUT
 
 DEFAULT_MAX_LENGTH = 4096
@@ -193,12 +194,8 @@ class D3DBatchServer:
         server's `tokenizer`); `logits_processor` and `stopping_criteria` add your own.
         `do_sample` and `eos_token_id` default to the target's generation config; `seed` fixes this request's random
         draws. Raises `ValueError` for a request the server cannot decode."""
-        ids = torch.as_tensor(input_ids)
-        if ids.dim() > 2 or (ids.dim() == 2 and ids.shape[0] != 1):
-            raise ValueError(f"submit takes one prompt, (1, L), (L,) or a list of ids; got shape {tuple(ids.shape)}")
-        prompt = ids.reshape(-1).tolist()
-        if not prompt:
-            raise ValueError("A prompt needs at least one token")
+        check_prompts(input_ids, one_prompt=True)
+        prompt = torch.as_tensor(input_ids).reshape(-1).tolist()
         config = GenerationConfig.from_dict(self.target.generation_config.to_dict())
         unused = config.update(max_new_tokens=max_new_tokens, **generation_settings)
         if unused:
