@@ -1,6 +1,7 @@
 """`d3d train`: train a D3D drafter for a target on its regenerated responses."""
 
 import argparse
+import gc
 import importlib.util
 from pathlib import Path
 
@@ -106,7 +107,28 @@ def run(args: argparse.Namespace) -> int:
             f"{global_batch}; final loss "
             f"{result.training_loss:.4f}; drafter saved to {args.output}"
         )
-    # Every process waits for the save, then leaves the process group (no collective threads left at exit).
-    trainer.accelerator.wait_for_everyone()
-    trainer.accelerator.end_training()
+    leave_process_group(trainer)
     return 0
+
+
+def leave_process_group(trainer: D3DTrainer) -> None:
+    """End distributed training in an order that cannot deadlock: a last barrier (every process waits for the save),
+    then the DDP-wrapped model is released, then the process group is destroyed, all while this function holds the
+    barrier's work.
+
+    Why: gloo's worker threads free a finished collective's tensors themselves, which takes the GIL, and gloo's
+    barrier keeps every collective still in flight when it was issued (here the trainer's last gather, whose tensors
+    Python made) until the barrier itself is freed. Destroying the process group joins those threads while holding
+    the GIL; had a worker not yet let go of the barrier, it would wait for the GIL and the join for it, forever (this
+    hung `accelerate launch` on loaded CPUs). Holding the barrier's work until the group is gone means no worker
+    frees it: this thread does, after the join."""
+    if not torch.distributed.is_initialized():
+        trainer.accelerator.end_training()
+        return
+    last = torch.distributed.barrier(async_op=True)
+    last.wait()
+    trainer.model_wrapped = None  # the DDP wrapper: its reducer holds the process group too
+    trainer.accelerator.free_memory()
+    gc.collect()
+    trainer.accelerator.end_training()  # the last reference: the group and its threads end here
+    del last
