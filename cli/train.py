@@ -13,28 +13,31 @@ from trainer.data import load_responses
 from trainer.provenance import DrafterProvenance
 
 from . import dtype
+from .inputs import model_source, positive_float, positive_int
 from .loading import load_target
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help="target model folder or Hub id (its tokenizer is saved too)")
+    parser.add_argument("--target", required=True, type=model_source,
+                        help="target model folder or Hub id (its tokenizer is saved too)")
     parser.add_argument("--data", required=True, help="a `d3d generate-data` output folder")
     parser.add_argument("--output", required=True, help="folder for the trained drafter (trust_remote_code)")
-    parser.add_argument("--init", default=None, help="Qwen3 checkpoint to initialise from (default: the target)")
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--init", default=None, type=model_source,
+                        help="Qwen3 checkpoint to initialise from (default: the target)")
+    parser.add_argument("--block-size", type=positive_int, default=16)
     parser.add_argument("--mask-token-id", type=int, default=None)
-    parser.add_argument("--epochs", type=float, default=3.0)
-    parser.add_argument("--max-steps", type=int, default=-1)
+    parser.add_argument("--epochs", type=positive_float, default=3.0)
+    parser.add_argument("--max-steps", type=positive_int, default=None, help="optimizer steps (default: --epochs)")
     add_recipe_arguments(parser)
 
 
 def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
     """The optimisation and objective settings shared by `train` and `prune` (its recovery training)."""
-    parser.add_argument("--learning-rate", type=float, default=1e-5)
+    parser.add_argument("--learning-rate", type=positive_float, default=1e-5)
     parser.add_argument("--min-learning-rate", type=float, default=1e-6)
-    parser.add_argument("--global-batch-size", type=int, default=16)
-    parser.add_argument("--per-device-batch-size", type=int, default=1)
-    parser.add_argument("--num-anchors", type=int, default=128, help="K: diffusion blocks per example")
+    parser.add_argument("--global-batch-size", type=positive_int, default=16)
+    parser.add_argument("--per-device-batch-size", type=positive_int, default=1)
+    parser.add_argument("--num-anchors", type=positive_int, default=128, help="K: diffusion blocks per example")
     parser.add_argument("--gamma", type=float, default=7.0, help="position-weight decay (DFlash's value for B=16)")
     parser.add_argument("--ar-weight", type=float, default=1.0, help="lambda: weight of the AR loss")
     parser.add_argument("--seed", type=int, default=0)
@@ -88,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
         args.init or target, block_size=args.block_size, mask_token_id=args.mask_token_id, tokenizer=tokenizer
     )
     del target
-    trainer = D3DTrainer(drafter, recipe_arguments(args, args.output, args.max_steps, choice), train_dataset=dataset)
+    max_steps = args.max_steps if args.max_steps is not None else -1  # -1: transformers trains for --epochs
+    trainer = D3DTrainer(drafter, recipe_arguments(args, args.output, max_steps, choice), train_dataset=dataset)
     result = trainer.train()
     if trainer.is_world_process_zero():
         trainer.accelerator.unwrap_model(trainer.model).save_pretrained(args.output)

@@ -38,7 +38,10 @@ def check_drafter_folder(folder: Path) -> None:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{folder} has no config.json: not a saved drafter folder")
-    auto_map = json.loads(config_path.read_text()).get("auto_map", {})
+    try:
+        auto_map = json.loads(config_path.read_text()).get("auto_map", {})
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{config_path} is not valid JSON ({error})") from error
     for auto_class in ("AutoConfig", "AutoModel"):
         if auto_class not in auto_map:
             raise ValueError(f"{config_path} has no auto_map entry for {auto_class}: it would not load with "
