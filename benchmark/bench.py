@@ -25,6 +25,7 @@ from modeling_d3d.generation_d3d import speculative_generate
 from modeling_d3d.sources_d3d import DEFAULT_COVERAGE, DEFAULT_FANOUT
 
 from .forward_cost import engine_pass_seconds
+from .identity import checks_exactly, classify
 from .measure import MethodRun, decode_one
 
 PROMPT_LOOKUP_TOKENS = 10
@@ -217,13 +218,17 @@ def benchmark(
     best = (best_row["coverage"], best_row["fanout"])
     passes = measure_passes(target, drafter, modes)
     results = {"hardware": hardware(target.device, drafter.device), "max_new_tokens": max_new_tokens,
+               "identity": "exact" if checks_exactly(target) else "up to near-ties",
                "block_size": block_size, "compile": compile, "modes": ["compiled" if c else "eager" for c in modes],
                "pass_prefix_length": PASS_PREFIX_LENGTH, "passes": passes, "sweep": sweep,
                "best_budget": {"coverage": best[0], "fanout": best[1]}, "prompt_sets": {}}
     methods = build_methods(drafter, assistant, default, best, modes)
     for name, prompts in prompt_sets.items():
         runs, warmups = run_methods(target, methods, prompts, max_new_tokens)
-        results["prompt_sets"][name] = {"prompts": len(prompts), "methods": summarize(methods, runs, warmups, passes)}
+        rows = summarize(methods, runs, warmups, passes)
+        for row, run in zip(rows, runs):
+            row.update(classify(target, prompts, runs[0].outputs, run.outputs))
+        results["prompt_sets"][name] = {"prompts": len(prompts), "methods": rows}
     return results
 
 

@@ -19,14 +19,25 @@ def percent(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
 
+IDENTITY = {
+    "exact": "token for token with the target's own greedy output (float32 checks identity exactly).",
+    "up to near-ties": "token for token, or `near-ties`: outputs that first differ where the target's own two best "
+                       "tokens nearly tie (margin < 2^-5 of the top logit, recomputed in float32), as low precision "
+                       "rounds them; a float32 run checks identity exactly.",
+}
+
+
 def _times(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
 def _identical(row: dict, prompts: int) -> str:
-    """`yes` when every output equals the target's, else how many did (`NO (17/20)`)."""
+    """`yes` when every output equals the target's; `near-ties (7/8)` when the others differ only at near-ties of
+    the target's own logits (low precision, see `benchmark.identity`); else how many did (`NO (17/20)`)."""
     if row["lossless"]:
         return "yes"
+    if row.get("divergences") == 0:
+        return f"near-ties ({row['identical']}/{prompts})"
     return f"NO ({row['identical_outputs']}/{prompts})" if "identical_outputs" in row else "NO"
 
 
@@ -68,6 +79,8 @@ def markdown(results: dict) -> str:
                 f"{_ms(row.get('verify_ms_per_round'))} | {_ms(row.get('exposed_draft_ms_per_round'))} | "
                 f"{_ms(row.get('overhead_ms_per_round'))} | {_bound(row, 'sync')} | {_bound(row, 'async')} |"
             )
+        if "identity" in results:
+            lines.append(f"\nLossless: {IDENTITY[results['identity']]}")
         compiled = [f"{row['method']} {row['warmup_seconds']:.1f} s" for row in prompt_set["methods"] if row.get("compiled")]
         if compiled:
             lines.append(f"\nCompile time (the first, warm-up call of each compiled method): {', '.join(compiled)}.")

@@ -14,17 +14,18 @@ from modeling_d3d import D3DForBlockDiffusion
 from modeling_d3d.prefill_d3d import DEFAULT_CHUNK_SIZE
 
 from . import dtype
+from .inputs import model_source, positive_int
 from .loading import load_target
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True)
-    parser.add_argument("--drafter", required=True)
-    parser.add_argument("--num-examples", type=int, default=24)
-    parser.add_argument("--prompt-tokens", type=int, default=1536, help="prompt length (keep it within the models' context)")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--target", required=True, type=model_source)
+    parser.add_argument("--drafter", required=True, type=model_source)
+    parser.add_argument("--num-examples", type=positive_int, default=24)
+    parser.add_argument("--prompt-tokens", type=positive_int, default=1536, help="prompt length (keep it within the models' context)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=32)
     parser.add_argument("--retentions", default="0.3,0.2,0.1", help="comma-separated retentions rho in (0, 1)")
-    parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE)
+    parser.add_argument("--chunk-size", type=positive_int, default=DEFAULT_CHUNK_SIZE)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default=None, help="folder for prefill.json, prefill.md, prefill.png")
     dtype.add_argument(parser)

@@ -6,19 +6,20 @@ import argparse
 from trainer.data import generate_responses
 
 from . import dtype, vllm_env
+from .inputs import model_source, positive_int
 from .loading import load_target, read_prompts
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help="target model folder or Hub id")
+    parser.add_argument("--target", required=True, type=model_source, help="target model folder or Hub id")
     parser.add_argument("--prompts", required=True, help=".jsonl (field 'prompt') or .txt (one prompt per line)")
     parser.add_argument("--output", required=True, help="folder for responses.jsonl and the dataset (rerun resumes)")
     parser.add_argument("--engine", choices=("transformers", "vllm"), default="transformers",
                         help="who generates: transformers in this process, or vLLM's offline engine")
-    parser.add_argument("--batch-size", type=int, default=8, help="prompts per batch (and per written chunk)")
-    parser.add_argument("--max-new-tokens", type=int, default=256, help="length cap of each response")
+    parser.add_argument("--batch-size", type=positive_int, default=8, help="prompts per batch (and per written chunk)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=256, help="length cap of each response")
     parser.add_argument("--sample", action="store_true", help="sample with the target's recommended settings (default greedy)")
-    parser.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    parser.add_argument("--limit", type=positive_int, default=None, help="use only the first N prompts")
     parser.add_argument("--seed", type=int, default=0)
     dtype.add_argument(parser)
     vllm_env.add_argument(parser)

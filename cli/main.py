@@ -29,6 +29,14 @@ COMMANDS = {
 }
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser, but a bad argument is one line, `d3d COMMAND: error: MESSAGE` (no usage block; `--help`
+    shows it), as every input error of `d3d` is; it exits 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
+
+
 # Raised on bad input: files that are not there or unreadable, values out of range, `UserError`.
 USER_ERRORS = (UserError, ValueError, OSError)
 
@@ -39,8 +47,8 @@ def command_module(name: str):
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The `d3d` parser; only `command`'s own arguments are loaded (every command's, when it is None)."""
-    parser = argparse.ArgumentParser(prog="d3d", description="D3D: decoupled diffusion drafting for speculative decoding")
-    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    parser = OneLineParser(prog="d3d", description="D3D: decoupled diffusion drafting for speculative decoding")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an input error too")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, (_, help_text) in COMMANDS.items():
         if command is None or name == command:
@@ -54,7 +62,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     chosen = next((arg for arg in argv if not arg.startswith("-")), None)
-    args = build_parser(chosen if chosen in COMMANDS else None).parse_args(argv)
+    try:
+        args = build_parser(chosen if chosen in COMMANDS else None).parse_args(argv)
+    except SystemExit as stop:  # --help, or a bad argument (its line printed): the exit status
+        return stop.code
     try:
         return command_module(args.command).run(args)
     except USER_ERRORS as error:

@@ -11,20 +11,22 @@ from trainer.provenance import record_pruning
 from trainer.pruning import prune
 
 from . import dtype
+from .inputs import model_source, positive_int
 from .loading import load_target
 from .train import add_recipe_arguments, recipe_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True)
-    parser.add_argument("--drafter", required=True, help="the trained drafter folder (the fixed teacher)")
+    parser.add_argument("--target", required=True, type=model_source)
+    parser.add_argument("--drafter", required=True, type=model_source,
+                        help="the trained drafter folder or Hub id (the fixed teacher)")
     parser.add_argument("--data", required=True, help="a `d3d generate-data` folder; its last 2 x --dev-size prompts are the dev sets")
     parser.add_argument("--output", required=True, help="stages, report and the chosen drafter/")
-    parser.add_argument("--dev-size", type=int, default=512, help="prompts in each of the two disjoint dev sets")
-    parser.add_argument("--min-layers", type=int, default=1)
+    parser.add_argument("--dev-size", type=positive_int, default=512, help="prompts in each of the two disjoint dev sets")
+    parser.add_argument("--min-layers", type=positive_int, default=1)
     parser.add_argument("--min-tau-fraction", type=float, default=0.95)
-    parser.add_argument("--recovery-steps", type=int, default=10_000)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--recovery-steps", type=positive_int, default=10_000)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128)
     add_recipe_arguments(parser)
 
 

@@ -14,13 +14,14 @@ from benchmark.vllm_server import d3d_speculative_config, server_command
 
 from . import vllm_env
 from .errors import UserError
+from .inputs import model_folder
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help="target model folder (a Qwen3 causal LM)")
-    parser.add_argument("--drafter", required=True, help="D3D drafter folder saved by this project")
+    parser.add_argument("--target", required=True, type=model_folder, help="target model folder (a Qwen3 causal LM)")
+    parser.add_argument("--drafter", required=True, type=model_folder, help="D3D drafter folder saved by this project")
     parser.add_argument("--num-speculative-tokens", type=int, default=None,
                         help="drafts verified per round, 1..block_size-1 (default block_size-1)")
     parser.add_argument("--host", default="127.0.0.1")

@@ -1,6 +1,7 @@
 """`d3d train`: train a D3D drafter for a target on its regenerated responses."""
 
 import argparse
+import gc
 import importlib.util
 from pathlib import Path
 
@@ -12,28 +13,31 @@ from trainer.data import load_responses
 from trainer.provenance import DrafterProvenance
 
 from . import dtype
+from .inputs import model_source, positive_float, positive_int
 from .loading import load_target
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help="target model folder or Hub id (its tokenizer is saved too)")
+    parser.add_argument("--target", required=True, type=model_source,
+                        help="target model folder or Hub id (its tokenizer is saved too)")
     parser.add_argument("--data", required=True, help="a `d3d generate-data` output folder")
     parser.add_argument("--output", required=True, help="folder for the trained drafter (trust_remote_code)")
-    parser.add_argument("--init", default=None, help="Qwen3 checkpoint to initialise from (default: the target)")
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--init", default=None, type=model_source,
+                        help="Qwen3 checkpoint to initialise from (default: the target)")
+    parser.add_argument("--block-size", type=positive_int, default=16)
     parser.add_argument("--mask-token-id", type=int, default=None)
-    parser.add_argument("--epochs", type=float, default=3.0)
-    parser.add_argument("--max-steps", type=int, default=-1)
+    parser.add_argument("--epochs", type=positive_float, default=3.0)
+    parser.add_argument("--max-steps", type=positive_int, default=None, help="optimizer steps (default: --epochs)")
     add_recipe_arguments(parser)
 
 
 def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
     """The optimisation and objective settings shared by `train` and `prune` (its recovery training)."""
-    parser.add_argument("--learning-rate", type=float, default=1e-5)
+    parser.add_argument("--learning-rate", type=positive_float, default=1e-5)
     parser.add_argument("--min-learning-rate", type=float, default=1e-6)
-    parser.add_argument("--global-batch-size", type=int, default=16)
-    parser.add_argument("--per-device-batch-size", type=int, default=1)
-    parser.add_argument("--num-anchors", type=int, default=128, help="K: diffusion blocks per example")
+    parser.add_argument("--global-batch-size", type=positive_int, default=16)
+    parser.add_argument("--per-device-batch-size", type=positive_int, default=1)
+    parser.add_argument("--num-anchors", type=positive_int, default=128, help="K: diffusion blocks per example")
     parser.add_argument("--gamma", type=float, default=7.0, help="position-weight decay (DFlash's value for B=16)")
     parser.add_argument("--ar-weight", type=float, default=1.0, help="lambda: weight of the AR loss")
     parser.add_argument("--seed", type=int, default=0)
@@ -96,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
         args.init or target, block_size=args.block_size, mask_token_id=args.mask_token_id, tokenizer=tokenizer
     )
     del target
-    trainer = D3DTrainer(drafter, recipe_arguments(args, args.output, args.max_steps, choice), train_dataset=dataset)
+    max_steps = args.max_steps if args.max_steps is not None else -1  # -1: transformers trains for --epochs
+    trainer = D3DTrainer(drafter, recipe_arguments(args, args.output, max_steps, choice), train_dataset=dataset)
     result = trainer.train()
     if trainer.is_world_process_zero():
         trainer.accelerator.unwrap_model(trainer.model).save_pretrained(args.output)
@@ -115,7 +120,28 @@ def run(args: argparse.Namespace) -> int:
             f"{global_batch}; final loss "
             f"{result.training_loss:.4f}; drafter saved to {args.output}"
         )
-    # Every process waits for the save, then leaves the process group (no collective threads left at exit).
-    trainer.accelerator.wait_for_everyone()
-    trainer.accelerator.end_training()
+    leave_process_group(trainer)
     return 0
+
+
+def leave_process_group(trainer: D3DTrainer) -> None:
+    """End distributed training in an order that cannot deadlock: a last barrier (every process waits for the save),
+    then the DDP-wrapped model is released, then the process group is destroyed, all while this function holds the
+    barrier's work.
+
+    Why: gloo's worker threads free a finished collective's tensors themselves, which takes the GIL, and gloo's
+    barrier keeps every collective still in flight when it was issued (here the trainer's last gather, whose tensors
+    Python made) until the barrier itself is freed. Destroying the process group joins those threads while holding
+    the GIL; had a worker not yet let go of the barrier, it would wait for the GIL and the join for it, forever (this
+    hung `accelerate launch` on loaded CPUs). Holding the barrier's work until the group is gone means no worker
+    frees it: this thread does, after the join."""
+    if not torch.distributed.is_initialized():
+        trainer.accelerator.end_training()
+        return
+    last = torch.distributed.barrier(async_op=True)
+    last.wait()
+    trainer.model_wrapped = None  # the DDP wrapper: its reducer holds the process group too
+    trainer.accelerator.free_memory()
+    gc.collect()
+    trainer.accelerator.end_training()  # the last reference: the group and its threads end here
+    del last

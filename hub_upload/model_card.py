@@ -67,6 +67,18 @@ def _hub_id(name: str) -> bool:
     return name.count("/") == 1 and not name.startswith((".", "/", "~"))
 
 
+def benchmark_sections(bench: dict) -> tuple[list[EvalResult], str]:
+    """The card's `model-index` entries and its Benchmark section from `d3d bench`'s results; `ValueError` when
+    `bench` is not what `d3d bench` writes (user input: `d3d push --bench FILE`)."""
+    try:
+        return eval_results(bench), (
+            f"## Benchmark\n\nMeasured with `d3d bench` on {bench.get('hardware', 'hardware not recorded')}, "
+            f"block size {bench['block_size']}.\n\n" + markdown(bench))
+    except (KeyError, TypeError, AttributeError, ValueError) as error:
+        raise ValueError(f"the benchmark results are not a bench.json that `d3d bench` wrote ({type(error).__name__}: "
+                         f"{error}): give --bench a file from `d3d bench`, or none") from error
+
+
 def build_model_card(folder: str | Path, repo: str, bench: dict | None = None, target: str | None = None) -> ModelCard:
     """A card for the drafter in `folder` (its `config.json` and `d3d_training.json`), published as `repo`.
 
@@ -81,11 +93,12 @@ def build_model_card(folder: str | Path, repo: str, bench: dict | None = None, t
     target = target or recorded_target
     if target is None:
         raise ValueError(f"{folder} does not record its target model: name it (d3d push --target ORG/MODEL)")
+    results, benchmark = benchmark_sections(bench) if bench else (None, "")
     data = ModelCardData(
         model_name=repo.split("/")[-1], library_name="transformers", pipeline_tag="text-generation",
         base_model=base_model if base_model and _hub_id(base_model) else None,
         tags=["d3d", "speculative-decoding", "block-diffusion", "drafter", "custom_generate"],
-        eval_results=eval_results(bench) if bench else None,
+        eval_results=results,
     )
     depth = config.num_hidden_layers
     if provenance and provenance.layers_before_pruning:
@@ -100,10 +113,6 @@ def build_model_card(folder: str | Path, repo: str, bench: dict | None = None, t
                     f"- training data: {provenance.training_data or 'not recorded'}\n"
                     f"- recipe: {recipe}\n"
                     f"- training dtype: {provenance.dtype or 'not recorded'}\n")
-    benchmark = ""
-    if bench:
-        benchmark = (f"## Benchmark\n\nMeasured with `d3d bench` on {bench.get('hardware', 'hardware not recorded')}, "
-                     f"block size {bench['block_size']}.\n\n" + markdown(bench))
     text = f"""---
 {data.to_yaml()}
 ---

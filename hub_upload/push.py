@@ -43,7 +43,10 @@ def check_drafter_folder(folder: Path) -> None:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{folder} has no config.json: not a saved drafter folder")
-    auto_map = json.loads(config_path.read_text()).get("auto_map", {})
+    try:
+        auto_map = json.loads(config_path.read_text()).get("auto_map", {})
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{config_path} is not valid JSON ({error})") from error
     for auto_class in ("AutoConfig", "AutoModel"):
         if auto_class not in auto_map:
             raise ValueError(f"{config_path} has no auto_map entry for {auto_class}: it would not load with "
@@ -79,18 +82,34 @@ def published_files(folder: Path) -> list[str]:
     return sorted(names)
 
 
+def checked_name(name: object, where: str) -> str:
+    """`name` if it is a name `d3d push` writes: a plain file name, or a file name inside one of `PUBLISHED_FOLDERS`
+    (relative, no `..`, no empty part), so a path built from it stays inside its folder (a local folder or a repo's
+    root); else `ValueError` naming `where` it came from."""
+    parts = name.split("/") if isinstance(name, str) and "\\" not in name and "\0" not in name else [""]
+    if (any(part in ("", ".", "..") for part in parts) or len(parts) > 2
+            or (len(parts) == 2 and parts[0] not in PUBLISHED_FOLDERS)):
+        raise ValueError(f"{where} lists {name!r}, not a file name that `d3d push` writes: nothing deleted")
+    return name
+
+
 def read_manifest(text: str, where: str) -> set[str]:
-    """The files an earlier push (or dry run) wrote, from its manifest's text."""
+    """The files an earlier push (or dry run) wrote, from its manifest's text; every name is checked
+    (`checked_name`) before any is used, so a deletion built from it stays inside its folder or repo."""
     try:
         files = json.loads(text)["files"]
     except (json.JSONDecodeError, KeyError, TypeError) as error:
         raise ValueError(f"{where} is not a {MANIFEST} that `d3d push` wrote: {error}") from error
-    return set(files)
+    if not isinstance(files, list):
+        raise ValueError(f"{where} is not a {MANIFEST} that `d3d push` wrote: its files are not a list")
+    return {checked_name(name, where) for name in files}
 
 
 def clear_earlier_dry_run(folder: Path, destination: Path) -> None:
     """Make `destination` ready for staging: absent, empty, or an earlier dry run's output, whose files (only those
-    its manifest lists) are removed. Anything else is refused, as is the drafter folder itself."""
+    its manifest lists) are removed. Anything else is refused, as is the drafter folder itself; the whole manifest
+    is checked (names `d3d push` writes, each a regular file inside `destination` or absent) before anything is
+    deleted."""
     if destination.resolve() == folder.resolve():
         raise ValueError(f"the destination {destination} is the drafter folder itself: choose another folder")
     if not destination.exists() or not any(destination.iterdir()):
@@ -99,8 +118,14 @@ def clear_earlier_dry_run(folder: Path, destination: Path) -> None:
     if not manifest.is_file():
         raise ValueError(f"{destination} is not empty and no earlier `d3d push --dry-run` wrote it (no {MANIFEST}): "
                          "choose a new or empty folder")
-    for name in read_manifest(manifest.read_text(), str(manifest)) | {MANIFEST}:
-        inside(destination, name).unlink(missing_ok=True)
+    paths = [inside(destination, name)
+             for name in sorted(read_manifest(manifest.read_text(), str(manifest)) | {MANIFEST})]
+    for path in paths:
+        if path.is_symlink() or (path.exists() and not path.is_file()):
+            raise ValueError(f"{manifest} lists {path.relative_to(destination)}, which is not a file a dry run wrote: "
+                             "nothing deleted; choose a new or empty folder")
+    for path in paths:
+        path.unlink(missing_ok=True)
 
 
 def stage_drafter(folder: str | Path, repo_id: str, destination: str | Path, bench: dict | None = None,

@@ -11,6 +11,7 @@ from transformers import LogitsProcessorList, StoppingCriteriaList, StopStringCr
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .engine_d3d import RoundRecord, SpeculativeEngine
+from .inputs_d3d import check_prompts
 from .passes_d3d import compiled_forward
 from .settings_d3d import eos_ids, row_settings
 from .sources_d3d import DEFAULT_FANOUT, BlockSource, SuccessorSource, check_device
@@ -82,6 +83,7 @@ def speculative_generate(
     Returns `(batch, P + longest)` sequences, rows that end early padded with `pad_token_id` (or a
     `GenerateDecoderOnlyOutput` with `return_dict_in_generate=True`).
     """
+    check_prompts(input_ids, model_kwargs.get("attention_mask"))
     put_prompt = streamer is None and d3d_streamer is not None
     streamer = streamer if streamer is not None else d3d_streamer
     batch = input_ids.shape[0]

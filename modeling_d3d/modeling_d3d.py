@@ -15,6 +15,7 @@ from .configuration_d3d import D3DConfig
 from .engine_d3d import RoundRecord
 from .generation_d3d import front_door_kwargs, speculative_generate
 from .hub_generate_d3d import REQUIREMENTS, generate as hub_generate
+from .inputs_d3d import check_prompts
 from .network_d3d import D3DBlockDiffusionModel, check_compatibility
 from .prefill_d3d import DEFAULT_CHUNK_SIZE, PromptSelection, SelectivePrefillOutput, d3d_generate, select_prompt_chunks
 from .serving_d3d import D3DBatchServer
@@ -85,6 +86,7 @@ class D3DForBlockDiffusion(D3DBlockDiffusionModel):
         `target.generate(..., custom_generate=speculative_generate, drafter=self)`. `asynchronous=True` (with
         `coverage`, `fanout`) prepares successor blocks while the target verifies; statistics go to
         `self.generation_stats`."""
+        check_prompts(input_ids, attention_mask)
         return target.generate(input_ids, attention_mask=attention_mask, custom_generate=speculative_generate,
                                drafter=self, **front_door_kwargs(generate_kwargs))
 

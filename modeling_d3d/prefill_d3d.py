@@ -29,6 +29,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .masking_d3d import block_layout
 from .engine_d3d import RoundRecord
 from .generation_d3d import front_door_kwargs, speculative_generate
+from .inputs_d3d import check_prompts
 
 DEFAULT_CHUNK_SIZE = 32
 PROBE_BLOCK_SIZE = 2
@@ -219,6 +220,7 @@ def d3d_generate(
     `generate_kwargs` is reduced alike.
     """
     check_prefill_arguments(input_ids, selective_prefill, chunk_size)
+    check_prompts(input_ids, generate_kwargs.get("attention_mask"))
     generate_kwargs = front_door_kwargs(generate_kwargs)
     if "assistant_model" in generate_kwargs or "custom_generate" in generate_kwargs:
         raise ValueError("d3d_generate drafts with `drafter`; do not pass assistant_model or custom_generate")

@@ -19,6 +19,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from .network_d3d import check_compatibility
 from .engine_d3d import RoundRecord, RowSettings, SpeculativeEngine
 from .generation_d3d import make_source
+from .inputs_d3d import check_prompts
 from .settings_d3d import row_settings
 from .sources_d3d import DEFAULT_FANOUT
 
@@ -115,6 +116,18 @@ class RequestHandle:
             self._chunks.put(_END)
 
 
+def _as_request_error(error: BaseException) -> Exception:
+    """The error a request fails with: `error` itself if it is an `Exception`; else (a `BaseException` that a
+    request's own processors or criteria raised on the scheduler thread, which is never the main thread, so never a
+    Ctrl-C) a `RuntimeError` naming it, so a client's `except Exception` sees it and does not take it for its own
+    interrupt or exit."""
+    if isinstance(error, Exception):
+        return error
+    wrapped = RuntimeError(f"a request's decoding raised {error!r}")
+    wrapped.__cause__ = error
+    return wrapped
+
+
 @dataclass
 class _Queues:
     waiting: list[RequestHandle]
@@ -157,6 +170,7 @@ class D3DBatchServer:
         self._next_id = 0
         self._condition = threading.Condition()
         self._closed = False
+        self._stopped: BaseException | None = None  # why the scheduler ended, once it has
         self._thread = threading.Thread(target=self._schedule, name="d3d-batch-server", daemon=True)
         self._thread.start()
 
@@ -182,12 +196,8 @@ class D3DBatchServer:
         server's `tokenizer`); `logits_processor` and `stopping_criteria` add your own.
         `do_sample` and `eos_token_id` default to the target's generation config; `seed` fixes this request's random
         draws. Raises `ValueError` for a request the server cannot decode."""
-        ids = torch.as_tensor(input_ids)
-        if ids.dim() > 2 or (ids.dim() == 2 and ids.shape[0] != 1):
-            raise ValueError(f"submit takes one prompt, (1, L), (L,) or a list of ids; got shape {tuple(ids.shape)}")
-        prompt = ids.reshape(-1).tolist()
-        if not prompt:
-            raise ValueError("A prompt needs at least one token")
+        check_prompts(input_ids, one_prompt=True)
+        prompt = torch.as_tensor(input_ids).reshape(-1).tolist()
         config = GenerationConfig.from_dict(self.target.generation_config.to_dict())
         unused = config.update(max_new_tokens=max_new_tokens, **generation_settings)
         if unused:
@@ -203,6 +213,8 @@ class D3DBatchServer:
         settings = row_settings(self.target, config, prompt, logits_processor, stopping_criteria, self.tokenizer, seed)
         self.engine.check_request(prompt, settings)
         with self._condition:
+            if self._stopped is not None and not isinstance(self._stopped, CancelledError):
+                raise RuntimeError(f"This D3DBatchServer cannot take requests: {self._stopped}") from self._stopped
             if self._closed:
                 raise RuntimeError("This D3DBatchServer is closed")
             handle = RequestHandle(self._next_id, prompt, settings, self._wake)
@@ -216,17 +228,27 @@ class D3DBatchServer:
             self._condition.notify_all()
 
     def _schedule(self) -> None:
-        """The scheduler thread: rounds until `close()`; an unexpected error ends the requests it holds, not the
-        thread, so no request waits on a dead scheduler."""
-        while True:
-            try:
-                if not self._schedule_round():
-                    break
-            except Exception as error:
-                self.engine.reset()
-                self._end_all(error)
-        self._end_all(CancelledError("the D3DBatchServer was closed"))
-        self.engine.close()
+        """The scheduler thread: rounds until `close()`. An error of a round ends the requests it holds, not the
+        thread; should the thread end any other way, every request ends with the reason and `submit` refuses new
+        ones, so no request waits on a dead scheduler."""
+        ended: BaseException = CancelledError("the D3DBatchServer was closed")
+        try:
+            while True:
+                try:
+                    if not self._schedule_round():
+                        break
+                except BaseException as error:  # a round failed (see _as_request_error)
+                    self.engine.reset()
+                    self._end_all(_as_request_error(error))
+        except BaseException as error:
+            ended = RuntimeError(f"the D3DBatchServer's scheduler stopped: {error!r}")
+            ended.__cause__ = error
+            raise
+        finally:
+            with self._condition:
+                self._closed, self._stopped = True, ended
+            self._end_all(ended)
+            self.engine.close()
 
     def _schedule_round(self) -> bool:
         """Drop cancelled rows, admit waiting requests, run one round; False once closed."""
@@ -255,12 +277,12 @@ class D3DBatchServer:
     def _round(self) -> None:
         try:
             outcomes = self.engine.step()
-        except Exception as error:  # a batched pass failed: its rows cannot be trusted, their requests fail
+        except BaseException as error:  # a batched pass failed: its rows cannot be trusted, they fail
             self.engine.reset()
             with self._condition:
                 failed, self._queues.active = list(self._queues.active.values()), {}
             for handle in failed:
-                handle._fail(error)
+                handle._fail(_as_request_error(error))
             return
         for outcome in outcomes:
             handle = self._queues.active[outcome.key]

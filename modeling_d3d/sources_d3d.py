@@ -303,8 +303,9 @@ class SuccessorSource(BlockSource):
             drafts = first.tokens.new_zeros(rows, width)
             ranked = first.ranked.new_zeros(rows, width, first.ranked.shape[-1])
             logits = torch.zeros(rows, width, self.drafter.config.vocab_size, device=drafts.device) if sampled else None
-        else:
-            drafts, processed = self._draft_all(contexts, sampling, errors)
+        else:  # a row served from its branches draws nothing here: its draws may not depend on its companions
+            drafting = [s if index is None else RowSampling(s.logits_processor) for s, index in zip(sampling, found)]
+            drafts, processed = self._draft_all(contexts, drafting, errors)
             ranked = self._ranked(processed)
             logits = processed if sampled else None
         counts = [self.max_drafts] * rows

@@ -137,3 +137,27 @@ def demo_table(out: str) -> dict[str, dict[str, str]]:
     lines = [line.strip("|").split("|") for line in out.splitlines() if line.startswith("| ")]
     header, *rows = ([cell.strip() for cell in line] for line in lines)
     return {row[0]: dict(zip(header[1:], row[1:])) for row in rows}
+
+
+def run_leaving_no_process(command: list[str], timeout: float, **popen_kwargs) -> subprocess.CompletedProcess:
+    """Run `command` to its end and return its output. If it runs past `timeout` seconds, it and every process it
+    started are killed (a launcher's workers may run in sessions of their own, so killing its process group would
+    leave them behind), then the test fails with the end of its output."""
+    import psutil  # accelerate's dependency: only the launches that need it reach here
+
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen_kwargs)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        launcher = psutil.Process(process.pid)
+        started = launcher.children(recursive=True)  # before any dies and its children lose their parent
+        for each in [launcher, *started]:
+            try:
+                each.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs([launcher, *started], timeout=60)
+        stdout, stderr = process.communicate(timeout=60)
+        pytest.fail(f"still running after {timeout} s, killed with the {len(started)} process(es) it started: "
+                    f"{' '.join(command)}\n{stdout[-2000:]}\n{stderr[-4000:]}")
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)

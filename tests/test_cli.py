@@ -1,4 +1,5 @@
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -7,7 +8,7 @@ import pytest
 
 from cli.demo import RANDOM_NOTE, SPEEDUP_NOTE
 from cli.main import main
-from conftest import demo_table
+from conftest import demo_table, tiny_target, word_tokenizer
 
 ROOT = Path(__file__).parents[1]
 
@@ -103,3 +104,63 @@ def test_an_internal_error_is_reported_as_a_bug_with_a_debug_hint_not_as_a_user_
     assert main(["demo"]) == 1 and "AssertionError: rows out of order" in capsys.readouterr().err
     with pytest.raises(AssertionError, match="rows out of order"):
         main(["--debug", "demo"])
+
+
+@pytest.fixture(scope="module")
+def broken(tmp_path_factory) -> dict[str, Path]:
+    """A whole tiny target, one with a truncated model.safetensors, one with a corrupt config.json, a data file."""
+    root = tmp_path_factory.mktemp("inputs")
+    tiny_target(0).save_pretrained(root / "target")
+    word_tokenizer().save_pretrained(root / "target")
+    for name in ("truncated", "corrupt"):
+        shutil.copytree(root / "target", root / name)
+    weights = root / "truncated" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    (root / "corrupt" / "config.json").write_text('{"model_type": "qwen3", "vocab_size": ')
+    (root / "prompts.txt").write_text("w1 w2\nw3 w4\n")
+    return root
+
+
+BAD_INPUTS = {  # name: (arguments with {root}, the command's one line contains)
+    "bench, truncated weights": ("bench --target {root}/truncated --drafter {root}/target",
+                                 "{root}/truncated/model.safetensors is not a whole safetensors file"),
+    "prune, truncated weights": ("prune --target {root}/target --drafter {root}/truncated --data d --output o",
+                                 "{root}/truncated/model.safetensors is not a whole"),
+    "generate-data, truncated weights": ("generate-data --target {root}/truncated --prompts {root}/prompts.txt --output o",
+                                         "{root}/truncated/model.safetensors is not a whole"),
+    "bench-prefill, truncated weights": ("bench-prefill --target {root}/truncated --drafter {root}/target",
+                                         "{root}/truncated/model.safetensors is not a whole"),
+    "train --init, truncated weights": ("train --target {root}/target --init {root}/truncated --data d --output o",
+                                        "argument --init: {root}/truncated/model.safetensors is not a whole"),
+    "train, corrupt config": ("train --target {root}/corrupt --data d --output o",
+                              "{root}/corrupt/config.json is not valid JSON"),
+    "serve, corrupt config": ("serve --target {root}/corrupt --drafter {root}/target",
+                              "{root}/corrupt/config.json is not valid JSON"),
+    "push, corrupt config": ("push {root}/corrupt me/repo --dry-run {root}/out",
+                             "{root}/corrupt/config.json is not valid JSON"),
+    "a local folder that is not there": ("bench --target {root}/no-such-target --drafter {root}/target",
+                                         "argument --target: no such folder: {root}/no-such-target"),
+    "generate-data --batch-size -2": ("generate-data --target {root}/target --prompts p --output o --batch-size -2",
+                                      "argument --batch-size: must be an integer >= 1, got '-2'"),
+    "generate-data --batch-size 0": ("generate-data --target {root}/target --prompts p --output o --batch-size 0",
+                                     "argument --batch-size: must be an integer >= 1, got '0'"),
+    "generate-data --limit -3": ("generate-data --target {root}/target --prompts p --output o --limit -3",
+                                 "argument --limit: must be an integer >= 1, got '-3'"),
+    "train --max-steps 0": ("train --target {root}/target --data d --output o --max-steps 0",
+                            "argument --max-steps: must be an integer >= 1, got '0'"),
+    "bench --max-new-tokens past the positions": (
+        "bench --target {root}/target --drafter {root}/target --max-new-tokens 100000",
+        "--max-new-tokens 100000 does not fit the target's 512 positions"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_one_line_and_exit_2_before_any_model_loads(broken, capsys, monkeypatch, case):
+    arguments, message = (text.format(root=broken) for text in BAD_INPUTS[case])
+    loads = []
+    monkeypatch.setattr("transformers.PreTrainedModel.from_pretrained", lambda *a, **k: loads.append(a))
+    assert main(arguments.split()) == 2
+    error = capsys.readouterr().err
+    assert error.splitlines() == [error.strip()] and "Traceback" not in error, error
+    assert error.startswith(f"d3d {arguments.split()[0]}: error: ") and message in error, error
+    assert not loads

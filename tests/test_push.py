@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
-from huggingface_hub import ModelCard
+from huggingface_hub import ModelCard, constants
 
 from cli.main import main
 from conftest import run_without_project, tiny_drafter, word_tokenizer
@@ -27,6 +27,15 @@ def bench_results(tau: float, speedup: float, hit_rate: float) -> dict:
             "sweep": [], "best_budget": {"coverage": 2, "fanout": 1},
             "prompt_sets": {"humaneval": {"prompts": 4, "methods": [
                 row("target alone", None), row("D3D sync", None), row("D3D async C=2 F=1", hit_rate)]}}}
+
+
+@pytest.fixture(autouse=True)
+def hub_reachable(monkeypatch):
+    """These tests talk to a mock Hub on 127.0.0.1: they set the Hub online themselves, whatever the environment
+    says (an air-gapped machine's HF_HUB_OFFLINE=1 is read once, at import, into `constants`)."""
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
 
 
 @pytest.fixture
@@ -157,7 +166,7 @@ def test_a_refused_commit_is_a_clear_error_and_leaves_nothing_behind(drafter_fol
 
 
 def test_dry_run_writes_the_folder_and_card_without_network(drafter_folder, tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # any Hub request would raise
     output = tmp_path / "upload"
     assert main(["push", str(drafter_folder), "me/d3d-tiny", "--dry-run", str(output)]) == 0
     assert set(snapshot(output)) == published_names(drafter_folder)
@@ -187,6 +196,44 @@ def test_a_dry_run_into_a_foreign_folder_or_the_drafter_is_refused(drafter_folde
     assert snapshot(drafter_folder) == before
 
 
+def tree(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` (relative path -> content)."""
+    return {str(path.relative_to(folder)): path.read_bytes() for path in folder.rglob("*") if path.is_file()}
+
+
+@pytest.mark.parametrize("entry", ["../outside.txt", "ABSOLUTE", "sub", "sub/kept.txt", "..", 3])
+def test_a_dry_run_manifest_naming_anything_but_its_own_files_deletes_nothing(drafter_folder, tmp_path, capsys, entry):
+    """Every name is checked before anything is deleted: a name outside the folder, a subfolder or a path into one
+    refuses the whole manifest, and the earlier output stays whole."""
+    output = tmp_path / "work" / "upload"
+    assert main(["push", str(drafter_folder), "me/d3d-tiny", "--dry-run", str(output)]) == 0
+    (tmp_path / "work" / "outside.txt").write_text("not yours")
+    (output / "sub").mkdir()
+    (output / "sub" / "kept.txt").write_text("not yours either")
+    manifest = json.loads((output / MANIFEST).read_text())
+    entry = str(tmp_path / "work" / "outside.txt") if entry == "ABSOLUTE" else entry
+    manifest["files"] = ["config.json", entry, "tokenizer.json"]  # a good name before the bad one too
+    (output / MANIFEST).write_text(json.dumps(manifest))
+    before = tree(tmp_path / "work")
+    assert main(["push", str(drafter_folder), "me/d3d-tiny", "--dry-run", str(output)]) == 2
+    error = capsys.readouterr().err
+    assert len(error.strip().splitlines()) == 1 and MANIFEST in error and "nothing deleted" in error
+    assert tree(tmp_path / "work") == before
+
+
+def test_a_hub_manifest_naming_anything_but_pushed_files_deletes_nothing(drafter_folder):
+    """The manifest read from the repo gets the same check: no deletion is built from a name d3d push never writes."""
+    with MockHub() as hub:
+        push_drafter(drafter_folder, "me/d3d-tiny", token=TOKEN, endpoint=hub.endpoint)
+        files = hub.state.files["me/d3d-tiny"]
+        files.update(FOREIGN)
+        files[MANIFEST] = json.dumps({"files": ["config.json", "eval/results.json"]}).encode()
+        before = dict(files)
+        with pytest.raises(ValueError, match="eval/results.json"):
+            push_drafter(drafter_folder, "me/d3d-tiny", token=TOKEN, endpoint=hub.endpoint)
+    assert hub.state.files["me/d3d-tiny"] == before
+
+
 def test_a_folder_that_would_not_load_is_refused(drafter_folder, tmp_path):
     (drafter_folder / "modeling_d3d.py").unlink()
     with pytest.raises(ValueError, match="modeling_d3d.py is missing"):
@@ -210,16 +257,6 @@ def test_only_custom_generate_of_the_subfolders_is_published(drafter_folder, tmp
     assert not any(name.startswith("checkpoint-10") or "__pycache__" in name for name in published)
 
 
-def test_a_manifest_naming_a_file_outside_its_folder_is_refused(drafter_folder, tmp_path, capsys):
-    output = tmp_path / "upload"
-    assert main(["push", str(drafter_folder), "me/d3d-tiny", "--dry-run", str(output)]) == 0
-    victim = tmp_path / "victim.txt"
-    victim.write_text("keep me")
-    _write(output / MANIFEST, {"files": ["../victim.txt"]})
-    assert main(["push", str(drafter_folder), "me/d3d-tiny", "--dry-run", str(output)]) == 2
-    assert "points outside" in capsys.readouterr().err and victim.read_text() == "keep me"
-
-
 def test_no_token_is_a_clear_error(drafter_folder, tmp_path, monkeypatch):
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-home"))
@@ -236,11 +273,12 @@ def test_a_drafter_without_a_recorded_target_needs_one(drafter_folder, tmp_path)
     assert 'AutoModelForCausalLM.from_pretrained("org/other-lm")' in (tmp_path / "out" / "README.md").read_text()
 
 
-def test_a_card_that_cannot_be_built_writes_nothing(drafter_folder, tmp_path):
+def test_a_card_that_cannot_be_built_writes_nothing(drafter_folder, tmp_path, capsys):
     output = tmp_path / "upload"
-    with pytest.raises(KeyError):
-        main(["push", str(drafter_folder), "me/d3d-tiny", "--dry-run", str(output),
-              "--bench", str(_write(tmp_path / "bench.json", {"hardware": "x"}))])
+    assert main(["push", str(drafter_folder), "me/d3d-tiny", "--dry-run", str(output),
+                 "--bench", str(_write(tmp_path / "bench.json", {"hardware": "x"}))]) == 2
+    error = capsys.readouterr().err
+    assert len(error.strip().splitlines()) == 1 and "not a bench.json that `d3d bench` wrote" in error
     assert not output.exists()
 
 

@@ -37,10 +37,13 @@ def error_of(capsys, *args) -> str:
     ("not_d3d", [], "not a D3D drafter"),
     ("drafter", ["--num-speculative-tokens", "8"], "must be 1..7"),
     ("drafter", ["--port", "70000"], "--port must be 1..65535"),
-    ("missing", [], "no config.json there"),
+    ("missing", [], "no such folder"),
+    ("empty", [], "no config.json there"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, models, tmp_path, drafter, extra, message):
     path = models.get(drafter, str(tmp_path / drafter))
+    if drafter == "empty":
+        (tmp_path / drafter).mkdir()
     assert message in error_of(capsys, "--target", models["target"], "--drafter", path, *extra)
 
 

@@ -234,3 +234,90 @@ def test_a_requests_own_eos_reaches_the_processors_that_need_it(models):
     for prompt, result in zip(requests, results):
         out = target.generate(torch.tensor([prompt]), do_sample=False, pad_token_id=eos, **settings)
         assert result == out[0, len(prompt):].tolist()[: len(result)] and len(result) >= 4
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_seeded_request_samples_the_same_tokens_alone_and_batched(models, asynchronous):
+    """A request's random draws come from its own generators only: the tokens of a seeded request do not depend on
+    which others share its batch (async rounds where its branches hit and a companion's miss included)."""
+    target, drafter = models
+    requests = prompts(4, seed=11)
+    settings = dict(max_new_tokens=40, do_sample=True, temperature=1.5)
+    with D3DBatchServer(target, drafter, max_batch_size=4, asynchronous=asynchronous) as server:
+        solo = server.submit(requests[0], seed=7, **settings).result(timeout=WAIT)
+        with server._condition:  # all four join the same first batch
+            handles = [server.submit(p, seed=7 if i == 0 else 100 + i, **settings) for i, p in enumerate(requests)]
+        batched = [handle.result(timeout=WAIT) for handle in handles]
+        if asynchronous:
+            assert 0 < server.stats.hit_rate < 1, "rounds where some rows hit and others missed"
+    assert batched[0] == solo
+
+
+class Interrupt(BaseException):
+    """Not an `Exception`: what a request's own code may raise (an `asyncio.CancelledError`, a `SystemExit`...)."""
+
+
+class InterruptsAfter(LogitsProcessor):
+    """Lets `calls` passes through, then raises `Interrupt` (a drafting or verifying step of its request)."""
+
+    def __init__(self, calls: int):
+        self.calls = calls
+
+    def __call__(self, input_ids, scores):
+        self.calls -= 1
+        if self.calls < 0:
+            raise Interrupt("from a processor")
+        return scores
+
+
+class InterruptingCriterion(StoppingCriteria):
+    def __call__(self, input_ids, scores, **kwargs):
+        raise Interrupt("from a criterion")
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+@pytest.mark.parametrize("failing", ["processor", "criterion"])
+def test_a_base_exception_in_a_request_fails_it_and_the_server_goes_on(models, asynchronous, failing):
+    """A `BaseException` that is not an `Exception` fails its request (with a `RuntimeError` naming it, never a
+    wait without end) and the scheduler goes on with the requests waiting behind it and new ones."""
+    target, drafter = models
+    requests = prompts(3, seed=12)
+    bad = {"logits_processor": [InterruptsAfter(3)]} if failing == "processor" else {
+        "stopping_criteria": StoppingCriteriaList([InterruptingCriterion()])}
+    with D3DBatchServer(target, drafter, max_batch_size=1, asynchronous=asynchronous) as server:
+        with server._condition:
+            failed = server.submit(requests[0], max_new_tokens=20, **bad)
+            waiting = server.submit(requests[1], max_new_tokens=12)
+        with pytest.raises(RuntimeError, match="Interrupt") as raised:
+            failed.result(timeout=WAIT)
+        assert isinstance(raised.value.__cause__, Interrupt)
+        with pytest.raises(RuntimeError, match="Interrupt"):
+            list(failed.stream(timeout=WAIT))
+        assert waiting.result(timeout=WAIT) == alone(target, requests[1], 12)
+        assert server.submit(requests[2], max_new_tokens=12).result(timeout=WAIT) == alone(target, requests[2], 12)
+        assert server._thread.is_alive()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_scheduler_that_stops_ends_every_request_and_refuses_new_ones(models, monkeypatch):
+    """Should the scheduler thread itself end (here: its recovery from a failed round fails too), no request waits
+    on it: those it held and those waiting end with the reason, and `submit` refuses new ones saying why."""
+    target, drafter = models
+    server = D3DBatchServer(target, drafter, max_batch_size=1)
+    try:
+        def broken_reset():
+            raise Interrupt("recovery failed")
+
+        monkeypatch.setattr(server.engine, "reset", broken_reset)
+        with server._condition:
+            failing = server.submit([1, 2, 3], max_new_tokens=20, logits_processor=[InterruptsAfter(1)])
+            waiting = server.submit([4, 5], max_new_tokens=20)
+        for handle in (failing, waiting):
+            with pytest.raises(RuntimeError, match="scheduler stopped: Interrupt"):
+                handle.result(timeout=WAIT)
+        server._thread.join(WAIT)
+        assert not server._thread.is_alive()
+        with pytest.raises(RuntimeError, match="cannot take requests.*scheduler stopped"):
+            server.submit([1], max_new_tokens=2)
+    finally:
+        server.close(timeout=WAIT)

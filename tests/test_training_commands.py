@@ -1,14 +1,14 @@
 """The training commands end to end on a tiny target: generate-data, a 2-process `accelerate launch` of train, prune."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from cli.main import main
-from conftest import tiny_target, word_tokenizer
+from conftest import run_leaving_no_process, tiny_target, word_tokenizer
 from modeling_d3d import D3DForBlockDiffusion
 
 ROOT = Path(__file__).parents[1]
@@ -31,21 +31,36 @@ def test_generate_data_writes_every_prompt_once(workspace):
 
 
 def test_train_runs_distributed_with_two_processes(workspace):
-    """`--multi_gpu` makes accelerate start torchrun; on a CPU-only machine the processes use gloo."""
+    """`--multi_gpu` makes accelerate start torchrun; on a CPU-only machine the processes use gloo. The launch ends
+    (its shutdown cannot deadlock: `cli.train.leave_process_group`) or is killed with its workers."""
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
-        "--mixed_precision", "no", "--dynamo_backend", "no", "--multi_gpu", "-m", "cli.main", "train",
+        "--main_process_port", "0", "--mixed_precision", "no", "--dynamo_backend", "no", "--multi_gpu",
+        "-m", "cli.main", "train",
         "--target", str(workspace / "target"), "--data", str(workspace / "data"), "--output", str(workspace / "drafter"),
         "--block-size", "4", "--max-steps", "6", "--num-anchors", "4", "--learning-rate", "1e-3",
         "--global-batch-size", "8", "--per-device-batch-size", "2", "--gradient-checkpointing",
         "--attn-implementation", "sdpa",
     ]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = run_leaving_no_process(command, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-4000:]
     log = result.stdout + result.stderr
     assert "trained 6 steps on 2 process(es), global batch 8" in log
     drafter = D3DForBlockDiffusion.from_pretrained(workspace / "drafter")
     assert drafter.config.block_size == 4 and (workspace / "drafter" / "tokenizer.json").exists()
+
+
+def test_a_launch_past_its_timeout_is_killed_with_every_process_it_started(tmp_path):
+    """As a hung `accelerate launch` would be: the launcher's worker runs in a session of its own."""
+    pids = tmp_path / "pids"
+    launcher = ("import os, subprocess, sys, time\n"
+                "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)\n"
+                f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{worker.pid}}')\n"
+                "time.sleep(600)\n")
+    with pytest.raises(pytest.fail.Exception, match="killed with the 1 process"):
+        run_leaving_no_process([sys.executable, "-c", launcher], timeout=10)
+    assert not [pid for pid in map(int, pids.read_text().split()) if psutil.pid_exists(pid)
+                and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
 
 
 def test_prune_writes_the_chosen_drafter_and_report(workspace):

@@ -1,0 +1,46 @@
+"""`d3d bench`'s identity check: exact in float32; in bfloat16 a flip at a near-tie of the target's own logits is a
+near-tie (not a failure), any other difference a divergence."""
+
+import torch
+
+from benchmark.identity import classify
+from benchmark.report import markdown
+from conftest import tiny_target
+
+
+def near_tie_target(dtype: torch.dtype):
+    """A target whose best next token is always 5, with 7 a near-tie behind it (margin 1/160 of the top logit,
+    exact in bfloat16) and every other token far behind."""
+    target = tiny_target(0, vocab_size=16)
+    head = torch.nn.Linear(32, 16, bias=True)
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.zero_()
+        head.bias[5], head.bias[7] = 10.0, 9.9375
+    target.lm_head = head
+    return target.to(dtype)
+
+
+PROMPTS = [torch.tensor([[1, 2, 3]])] * 4
+REFERENCE = [[5, 5, 5]] * 4
+OUTPUTS = [[5, 5, 5], [5, 7, 5], [7, 5, 5], [5, 3, 5]]  # identical, two flips to the runner-up, a clear divergence
+
+
+def test_flips_at_a_near_tie_are_near_ties_in_bfloat16_and_divergences_in_float32():
+    greedy = near_tie_target(torch.bfloat16).generate(PROMPTS[0], max_new_tokens=3, do_sample=False)
+    assert greedy[0, 3:].tolist() == REFERENCE[0]
+    assert classify(near_tie_target(torch.bfloat16), PROMPTS, REFERENCE, OUTPUTS) == {
+        "identical": 1, "near_ties": 2, "divergences": 1}
+    assert classify(near_tie_target(torch.float32), PROMPTS, REFERENCE, OUTPUTS) == {
+        "identical": 1, "near_ties": 0, "divergences": 3}
+
+
+def test_the_table_says_which_dtype_checks_identity_exactly():
+    row = {"method": "D3D sync", "tokens_per_second": 1.0, "speedup": 1.0, "tau": 2.0, "hit_rate": None,
+           "lossless": False, "identical_outputs": 3, "identical": 3, "near_ties": 1, "divergences": 0}
+    results = {"identity": "up to near-ties", "max_new_tokens": 3, "block_size": 4, "sweep": [],
+               "prompt_sets": {"set": {"prompts": 4, "methods": [row]}}}
+    table = markdown(results)
+    assert "| near-ties (3/4) |" in table and "float32 run checks identity exactly" in table
+    row.update(divergences=1, near_ties=0)
+    assert "| NO (3/4) |" in markdown(results)
