@@ -94,7 +94,6 @@ def run_pass(model, cache: StaticKVCache, layout: PassLayout, logits_to_keep: in
                                  layout.own_start, layout.own_end]), device)
     ids, positions, write_index, prefix_end, own_start, own_end = fields.unbind(0)
     if tail is not None:
-        ids = ids.clone()
         ids[:, ids.shape[1] - tail.shape[1]:] = tail.to(device, non_blocking=True)
     cache.plan(rows, write_index, kv_length, first_row)
     mask = interval_mask(model.config, prefix_end, own_start, own_end, kv_length, model.dtype)

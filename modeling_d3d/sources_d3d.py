@@ -26,7 +26,7 @@ from transformers import LogitsProcessorList
 from .caches_d3d import StaticKVCache
 from .drafting_d3d import block_pass, choose, context_free, plan_alternatives, process, successor_pass
 from .passes_d3d import prefill
-from .streams_d3d import Clock, Fence, current_stream, handoff, seconds, side_stream, synchronize, upload, use_stream
+from .streams_d3d import Clock, Fence, current_stream, handoff, seconds, side_stream, upload, use_stream
 
 DEFAULT_COVERAGE = 12
 DEFAULT_FANOUT = 2
@@ -63,8 +63,8 @@ class RowSampling:
 class Proposal:
     """One round's candidates. drafts `(rows, m)` long and num_drafts `(rows,)` (real drafts per row; the rest is
     padding); logits `(rows, m, vocab)` processed (q = softmax), None when no row samples; looked_up / hits: per row,
-    whether prepared branches were searched and whether one served it; exposed_seconds: drafting the target waited
-    for; errors: rows whose own drafting step (their logits processors) failed, by row index (those rows end)."""
+    whether prepared branches were searched and whether one served it; exposed_seconds: host seconds `propose` took
+    (the engine times the drafting its target waited for with its own clock, `streams_d3d.Clock`); errors: rows whose own drafting step (their logits processors) failed, by row index (those rows end)."""
 
     drafts: torch.Tensor
     num_drafts: torch.Tensor
@@ -445,5 +445,4 @@ class SuccessorSource(BlockSource):
 
 
 __all__ = ["BlockSource", "DEFAULT_COVERAGE", "DEFAULT_FANOUT", "DraftTiming", "DrafterSource", "PreparedBranches",
-           "Proposal", "RowSampling", "SuccessorSource", "check_budget", "check_device", "check_max_drafts", "drafts_from_logits",
-           "synchronize"]
+           "Proposal", "RowSampling", "SuccessorSource", "check_budget", "check_device", "check_max_drafts", "drafts_from_logits"]
