@@ -132,7 +132,7 @@ def test_a_greedy_sync_round_reads_the_device_once_and_uploads_each_pass_in_one_
 
 def test_the_host_sync_counter_sees_reads_and_uploads_of_device_tensors_only():
     """The counter itself: host tensors are free; device ones (a model's, created on its device, moved there) count."""
-    model = torch.nn.Linear(2, 2)
+    model = torch.nn.Linear(2, 2).requires_grad_(False)
     with HostSyncs(models=[model]) as syncs:
         host = torch.tensor([1.0, 2.0])
         host.tolist(), int(host[0]), bool(host.sum() > 0), host.to("cpu"), torch.zeros(2, device=host.device)
