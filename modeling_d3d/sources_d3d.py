@@ -64,7 +64,8 @@ class Proposal:
     """One round's candidates. drafts `(rows, m)` long and num_drafts `(rows,)` (real drafts per row; the rest is
     padding); logits `(rows, m, vocab)` processed (q = softmax), None when no row samples; looked_up / hits: per row,
     whether prepared branches were searched and whether one served it; exposed_seconds: host seconds `propose` took
-    (the engine times the drafting its target waited for with its own clock, `streams_d3d.Clock`); errors: rows whose own drafting step (their logits processors) failed, by row index (those rows end)."""
+    (the engine times the drafting its target waited for with its own clock, `streams_d3d.Clock`); errors: rows
+    whose own drafting step (their logits processors) failed, by row index (those rows end)."""
 
     drafts: torch.Tensor
     num_drafts: torch.Tensor
