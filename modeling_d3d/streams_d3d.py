@@ -130,4 +130,5 @@ def seconds(start: TimePoint, end: TimePoint) -> float:
     return start.event.elapsed_time(end.event) / 1000
 
 
-__all__ = ["Clock", "Fence", "TimePoint", "current_stream", "handoff", "seconds", "side_stream", "synchronize", "upload", "use_stream"]
+__all__ = ["Clock", "Fence", "TimePoint", "current_stream", "handoff", "seconds", "side_stream", "synchronize", "upload",
+           "use_stream"]

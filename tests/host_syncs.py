@@ -6,8 +6,8 @@ and everything computed from any of them. "The device" is one of the `devices` g
 device tensor (a `device=` naming the device of a host tensor is the host). It counts, while active:
 
 - reads: a device tensor's value reaching Python (`item`, `tolist`, `bool`, `int`, `float`, `__index__`, `numpy`,
-  printing, `.cpu()`, `.to` another device) or an operation whose output size depends on device values (`nonzero`, boolean indexing,
-  `masked_select`, `unique`): each one blocks the host until the device has caught up;
+  printing, `.cpu()`, `.to` another device) or an operation whose output size depends on device values
+  (`nonzero`, boolean indexing, `masked_select`, `unique`): each one blocks the host until the device has caught up;
 - uploads: host data copied to the device (`.to(device)` / `copy_` / item assignment of a host tensor into a device
   one, `torch.tensor`/`torch.as_tensor` of Python or host data with `device=`).
 

@@ -117,7 +117,8 @@ def test_a_greedy_sync_round_reads_the_device_once_and_uploads_each_pass_in_one_
     engine = SpeculativeEngine(target, BlockSource(drafter), max_rows=2, max_length=64)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9]]
     for key, prompt in enumerate(prompts):
-        engine.add(key, prompt, RowSettings(12, stopping_criteria=stop_criteria() if criteria else StoppingCriteriaList()))
+        stops = stop_criteria() if criteria else StoppingCriteriaList()
+        engine.add(key, prompt, RowSettings(12, stopping_criteria=stops))
     counts, outputs = [], {}
     while len(engine):
         with HostSyncs([target, drafter], [engine.cache, engine.source.cache], [engine.device]) as syncs:
