@@ -16,7 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from modeling_d3d.engine_d3d import RoundRecord
-from modeling_d3d.sources_d3d import synchronize
+from modeling_d3d.streams_d3d import synchronize
 
 from .report import percent, pyplot, write_report
 

@@ -22,7 +22,8 @@ from modeling_d3d import D3DForBlockDiffusion
 from modeling_d3d.caches_d3d import StaticKVCache
 from modeling_d3d.passes_d3d import PassLayout, prefill, run_pass
 from modeling_d3d.passes_d3d import compiled_forward
-from modeling_d3d.sources_d3d import BlockSource, RowSampling, SuccessorSource, synchronize
+from modeling_d3d.sources_d3d import BlockSource, RowSampling, SuccessorSource
+from modeling_d3d.streams_d3d import synchronize
 
 # Shapes of the paper's models (Qwen3 configs); the drafter is D3D-8B pruned to 31 layers.
 PRESETS = {

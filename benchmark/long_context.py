@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from transformers.generation.streamers import BaseStreamer
 
 from modeling_d3d.prefill_d3d import DEFAULT_CHUNK_SIZE, d3d_generate
-from modeling_d3d.sources_d3d import synchronize
+from modeling_d3d.streams_d3d import synchronize
 
 CUE_TOKENS = 16
 PASSAGE_TOKENS = 128

@@ -10,7 +10,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from modeling_d3d.engine_d3d import RoundRecord
 from modeling_d3d.generation_d3d import speculative_generate
-from modeling_d3d.sources_d3d import synchronize
+from modeling_d3d.streams_d3d import synchronize
 
 
 class RoundCounter(BaseStreamer):

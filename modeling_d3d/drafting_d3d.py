@@ -124,12 +124,13 @@ def successor_layout(contexts: list[list[int]], committed: list[int], drafts: li
 
 def successor_pass(drafter, cache: StaticKVCache, contexts: list[list[int]], committed: list[int],
                    drafts: list[list[int]], anchors: list[list[tuple[int, int]]], forward=None) -> torch.Tensor:
-    """Raw logits `(rows, blocks, B - 1, vocab)` of every branch block's masked positions (see `successor_layout`).
+    """Raw logits `(rows, blocks, B - 1, vocab)` of every branch block's masked positions (see `successor_layout`), in
+    the drafter's dtype (no float32 copy of every block: callers rank them, or convert the rows they process).
     On return each row's cache holds its context and drafts (commit as far as verification accepts)."""
     block_size = drafter.config.block_size
     layout, blocks = successor_layout(contexts, committed, drafts, anchors, block_size, drafter.config.mask_token_id,
                                       fixed_shapes(forward))
-    logits = run_pass(drafter, cache, layout, blocks * block_size, forward=forward)
+    logits = run_pass(drafter, cache, layout, blocks * block_size, forward=forward, float32=False)
     return logits.reshape(len(contexts), blocks, block_size, -1)[:, :, 1:]
 
 

@@ -20,13 +20,19 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria,
+                                                       StopStringCriteria)
 
 from .acceptance_d3d import greedy_accept, rejection_sample
 from .caches_d3d import StaticKVCache
 from .drafting_d3d import process
 from .passes_d3d import PassLayout, compiled_forward, prefill, run_pass
-from .sources_d3d import DrafterSource, DraftTiming, RowSampling, synchronize
+from .sources_d3d import DrafterSource, DraftTiming, RowSampling
+from .streams_d3d import Clock, seconds, synchronize
+
+
+# stopping criteria that read the token ids only (never the scores): the engine evaluates them on host ids
+HOST_CRITERIA = (StopStringCriteria, MaxTimeCriteria)
 
 
 @dataclass
@@ -97,7 +103,9 @@ class RoundOutcome:
 @dataclass
 class RoundTiming:
     """Seconds of one round: verify (the target pass), exposed drafting (the target waited for it), hidden drafting
-    (ran while the target verified), host (everything else in the round). verify + exposed + host = the round."""
+    (ran while the target verified), host (everything else in the round). verify + exposed + host = the round.
+    On CUDA verify and the exposed drafting before it are device time between events on the target's stream
+    (`streams_d3d.Clock`, read after the round's one read: no synchronization added); elsewhere the host clock."""
 
     verify: float
     exposed_draft: float
@@ -169,8 +177,14 @@ class RoundRecord:
 
 
 def check_target(target) -> None:
-    """Raise `ValueError` unless the engine can run `target`: decoder-only, full attention in every layer, sdpa or
-    eager attention."""
+    """Raise `ValueError` unless the engine can run `target`: on one device, decoder-only, full attention in every
+    layer, sdpa or eager attention."""
+    devices = sorted({str(device) for device in (getattr(target, "hf_device_map", None) or {}).values()})
+    if len(devices) > 1:
+        raise ValueError(f"The target is split over devices {', '.join(devices)} (its hf_device_map, e.g. from "
+                         "device_map=\"auto\" on a node with several GPUs); the D3D engine keeps the target and its "
+                         "cache on one device: load it with device_map=\"cuda:0\" (it must fit one GPU), and give "
+                         "the drafter another with drafter.to(\"cuda:1\") and drafter_device=\"cuda:1\"")
     config = target.config.get_text_config()
     if target.config.is_encoder_decoder:
         raise ValueError("The D3D engine decodes decoder-only targets")
@@ -210,6 +224,7 @@ class SpeculativeEngine:
         if source is not None:
             source.allocate(max_rows, max_length + 1)
         self.forward = compiled_forward(target) if compile else None
+        self.clock = Clock(self.device)
         self.rows: list[Row] = []
         self.record = RoundRecord(keep=keep_rounds)
 
@@ -243,11 +258,10 @@ class SpeculativeEngine:
         if len(self.rows) == self.max_rows:
             raise ValueError(f"The engine holds {self.max_rows} rows already")
         seed = settings.seed if settings.seed is not None else int(torch.randint(2**62, (1,)))
-        draft_device = self.source.device if self.source is not None else self.device
-        row = Row(
+        row = Row(  # the row's processors were built on the target's device: its drafter logits are processed there
             key, list(prompt), list(drafter_prompt or prompt), settings,
             RowSampling(settings.logits_processor, settings.do_sample,
-                        torch.Generator(device=draft_device).manual_seed(2 * seed)),
+                        torch.Generator(device=self.device).manual_seed(2 * seed), self.device),
             torch.Generator(device=self.device).manual_seed(2 * seed + 1),
         )
         start = time.perf_counter()
@@ -280,22 +294,23 @@ class SpeculativeEngine:
         propagates (call `reset` before going on)."""
         if not self.rows:
             return []
-        start = time.perf_counter()
+        start = self.clock.mark()
         proposal = None
         contexts = [row.drafter_context for row in self.rows] if self.source is not None else []  # before the round
         if self.source is not None:
             proposal = self.source.propose(contexts, [row.sampling for row in self.rows])
-        verify_start = time.perf_counter()
+        verify_start = self.clock.mark()
         logits = self._verify(proposal)
-        synchronize(self.device)
-        verify_seconds = time.perf_counter() - verify_start
-        outcomes = self._accept(proposal, logits)
+        verify_end = self.clock.mark()
+        outcomes = self._accept(proposal, logits)  # its one read: the verify pass has run
         drafting = DraftTiming()
         if self.source is not None:
             drafting = self.source.observe(contexts, [outcome.accepted_drafts for outcome in outcomes])
         self._keep([i for i, outcome in enumerate(outcomes) if not outcome.finished])
-        exposed = (proposal.exposed_seconds if proposal is not None else 0.0) + drafting.exposed
-        total = time.perf_counter() - start
+        verify_seconds = seconds(verify_start, verify_end)
+        # exposed: the target's stream waited for the drafts before verifying, then for the worker
+        exposed = (seconds(start, verify_start) if proposal is not None else 0.0) + drafting.exposed
+        total = time.perf_counter() - start.host
         timing = RoundTiming(verify_seconds, exposed, drafting.hidden, max(total - verify_seconds - exposed, 0.0))
         self.record.add(outcomes, sum(proposal.looked_up) if proposal is not None else 0, timing)
         return outcomes
@@ -303,11 +318,11 @@ class SpeculativeEngine:
     def _verify(self, proposal) -> torch.Tensor:
         """One target pass over `[anchor, drafts]` per row: logits `(rows, width, vocab)` float32; the cache gains the
         columns, committed as far as accepted."""
-        ids = torch.tensor([[row.last_token] for row in self.rows], dtype=torch.long)
-        if proposal is not None:
-            ids = torch.cat([ids.to(self.device), proposal.drafts.to(self.device)], dim=1)
+        ids = torch.zeros(len(self.rows), self.width, dtype=torch.long)  # the drafts' columns filled on the device
+        ids[:, 0] = torch.tensor([row.last_token for row in self.rows], dtype=torch.long)
         starts = torch.tensor(self.cache.committed[: len(self.rows)], dtype=torch.long)
-        return run_pass(self.target, self.cache, PassLayout.causal(ids, starts), self.width, forward=self.forward)
+        return run_pass(self.target, self.cache, PassLayout.causal(ids, starts), self.width, forward=self.forward,
+                        tail=proposal.drafts if proposal is not None else None)
 
     def _accept(self, proposal, logits: torch.Tensor) -> list[RoundOutcome]:
         """Process the target's logits per row, accept (greedy or rejection sampling, batched), read the result
@@ -363,7 +378,10 @@ class SpeculativeEngine:
         and whether the row ends."""
         settings = row.settings
         added = added[: settings.max_new_tokens - len(row.generated)]
-        tokens = torch.tensor([row.tokens + added], device=logits.device) if settings.stopping_criteria else None
+        tokens = None
+        if settings.stopping_criteria:  # criteria that only read the ids run on the host: no device read per token
+            host = all(isinstance(c, HOST_CRITERIA) for c in settings.stopping_criteria)
+            tokens = torch.tensor([row.tokens + added], device="cpu" if host else logits.device)
         start = len(row.tokens)
         for index, token in enumerate(added):  # the first stop wins, EOS or criterion, as in generate's own loop
             if token in settings.eos_token_ids:

@@ -12,6 +12,7 @@ import torch
 
 from .caches_d3d import StaticKVCache
 from .masking_d3d import interval_mask
+from .streams_d3d import upload
 
 
 @dataclass
@@ -77,24 +78,30 @@ class PassLayout:
 
 @torch.no_grad()
 def run_pass(model, cache: StaticKVCache, layout: PassLayout, logits_to_keep: int, first_row: int = 0,
-             forward=None) -> torch.Tensor:
-    """One forward of `model` (a target or a drafter) over `layout` on cache rows `first_row..`; returns the float32
-    logits of the last `logits_to_keep` input columns, `(rows, logits_to_keep, vocab)`. `forward`: a compiled
-    `model.forward` (`CompiledForward`) to use instead; with fixed shapes it attends over every cache column (else,
-    as eager passes, over the columns in use only)."""
+             forward=None, tail: torch.Tensor | None = None, float32: bool = True) -> torch.Tensor:
+    """One forward of `model` (a target or a drafter) over `layout` on cache rows `first_row..`; returns the logits of
+    the last `logits_to_keep` input columns, `(rows, logits_to_keep, vocab)`, float32 (or the model's dtype with
+    `float32=False`, for callers that only rank them). `forward`: a compiled `model.forward` (`CompiledForward`) to
+    use instead; with fixed shapes it attends over every cache column (else, as eager passes, over the columns in use
+    only). tail: `(rows, n)` token ids already on a device (a verify pass's drafts), put in the last `n` input
+    columns on the device, so they never go through the host.
+
+    The layout goes to the device in one copy (`streams_d3d.upload`), queued without blocking the host."""
     device = cache.device
     rows = layout.ids.shape[0]
     kv_length = cache.capacity if fixed_shapes(forward) else layout.kv_length()
-    cache.plan(rows, layout.write_index, kv_length, first_row)
-    mask = interval_mask(
-        model.config, layout.prefix_end.to(device), layout.own_start.to(device), layout.own_end.to(device), kv_length,
-        model.dtype,
-    )
+    fields = upload(torch.stack([layout.ids, layout.positions, layout.write_index, layout.prefix_end,
+                                 layout.own_start, layout.own_end]), device)
+    ids, positions, write_index, prefix_end, own_start, own_end = fields.unbind(0)
+    if tail is not None:
+        ids[:, ids.shape[1] - tail.shape[1]:] = tail.to(device, non_blocking=True)
+    cache.plan(rows, write_index, kv_length, first_row)
+    mask = interval_mask(model.config, prefix_end, own_start, own_end, kv_length, model.dtype)
     output = (forward or model)(
-        input_ids=layout.ids.to(device), position_ids=layout.positions.to(device),
-        attention_mask={"full_attention": mask}, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep,
+        input_ids=ids, position_ids=positions, attention_mask={"full_attention": mask}, past_key_values=cache,
+        use_cache=True, logits_to_keep=logits_to_keep,
     )
-    return output.logits.float()
+    return output.logits.float() if float32 else output.logits
 
 
 @dataclass

@@ -26,6 +26,7 @@ from transformers import LogitsProcessorList
 from .caches_d3d import StaticKVCache
 from .drafting_d3d import block_pass, choose, context_free, plan_alternatives, process, successor_pass
 from .passes_d3d import prefill
+from .streams_d3d import Clock, Fence, current_stream, handoff, seconds, side_stream, upload, use_stream
 
 DEFAULT_COVERAGE = 12
 DEFAULT_FANOUT = 2
@@ -41,19 +42,30 @@ def check_budget(block_size: int, coverage: int, fanout: int) -> None:
 
 @dataclass
 class RowSampling:
-    """How a row turns drafter logits into drafts: the target's processors, argmax or sampling, its generator."""
+    """How a row turns drafter logits into drafts: the target's processors, argmax or sampling, its generator.
+    device: where the processors were built and the generator lives (the target's device; None: wherever the
+    drafter's logits are). The processors hold tensors there (MinNewTokens' EOS ids, SuppressTokens' ids, ...), so
+    a row that processes or samples has its drafter logits moved there first (a drafter on another GPU), and its
+    drafts and q come out there, where verification reads them."""
 
     logits_processor: LogitsProcessorList = field(default_factory=LogitsProcessorList)
     do_sample: bool = False
     generator: torch.Generator | None = None
+    device: torch.device | None = None
+
+    @property
+    def processes(self) -> bool:
+        """Whether this row's drafter logits go through its processors or a draw (else: argmax of the raw ones)."""
+        return bool(self.logits_processor) or self.do_sample
 
 
 @dataclass
 class Proposal:
     """One round's candidates. drafts `(rows, m)` long and num_drafts `(rows,)` (real drafts per row; the rest is
     padding); logits `(rows, m, vocab)` processed (q = softmax), None when no row samples; looked_up / hits: per row,
-    whether prepared branches were searched and whether one served it; exposed_seconds: drafting the target waited
-    for; errors: rows whose own drafting step (their logits processors) failed, by row index (those rows end)."""
+    whether prepared branches were searched and whether one served it; exposed_seconds: host seconds `propose` took
+    (the engine times the drafting its target waited for with its own clock, `streams_d3d.Clock`); errors: rows
+    whose own drafting step (their logits processors) failed, by row index (those rows end)."""
 
     drafts: torch.Tensor
     num_drafts: torch.Tensor
@@ -105,20 +117,16 @@ class DrafterSource(Protocol):
         """Release what the source holds (its worker)."""
 
 
-def synchronize(device: torch.device) -> None:
-    """Wait for queued work on `device` (CUDA runs asynchronously), so wall-clock timings are real."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def drafts_from_logits(raw: torch.Tensor, contexts: list[list[int]], sampling: list[RowSampling],
                        errors: dict[int, Exception] | None = None):
     """Per row: its processors over raw block logits `(rows, m, vocab)` (context: its tokens), then argmax or a draw.
     Returns drafts `(rows, m)` and the processed logits `(rows, m, vocab)` (the raw ones when no row has
     processors). With `errors`, a row whose processing fails is drafted from its raw logits and its exception is
-    put in `errors[row]` (that row ends; the others go on); without, the exception propagates."""
-    if not any(s.logits_processor or s.do_sample for s in sampling):
+    put in `errors[row]` (that row ends; the others go on); without, the exception propagates. When a row processes,
+    every row's results are on the processors' device (`RowSampling.device`)."""
+    if not any(s.processes for s in sampling):
         return raw.argmax(-1), raw
+    raw = raw.to(next((s.device for s in sampling if s.device is not None), raw.device))
     rows, drafts = [], []
     for r, (context, s) in enumerate(zip(contexts, sampling)):
         try:
@@ -192,7 +200,6 @@ class BlockSource:
         start = time.perf_counter()
         errors: dict[int, Exception] = {}
         drafts, logits = self._draft_all(contexts, sampling, errors)
-        synchronize(self.device)
         rows = len(contexts)
         return Proposal(drafts, torch.full((rows,), self.max_drafts, device=drafts.device),
                         logits if any(s.do_sample for s in sampling) else None, [False] * rows, [False] * rows,
@@ -272,7 +279,8 @@ class SuccessorSource(BlockSource):
             initializer=torch.set_num_threads if worker_threads else None,
             initargs=(worker_threads,) if worker_threads else (),
         )
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._stream = side_stream(self.device)
+        self._clock = Clock(self.device)
 
     def allocate(self, slots: int, capacity: int) -> None:
         self.wait()
@@ -319,10 +327,14 @@ class SuccessorSource(BlockSource):
                 logits[r] = branch.logits[index]
             self.cache.committed[r] = len(contexts[r]) - 1  # the successor pass cached its context before the anchor
         self.branches[:rows] = [None] * rows
-        num_drafts = torch.tensor(counts, device=drafts.device)
-        synchronize(self.device)
+        num_drafts = upload(torch.tensor(counts), drafts.device)
+        # the worker's copies on the drafter's device (processed rows draft on the target's), made before the verify
+        # pass is queued, then a fence: the worker stream waits for these, not for the verify pass
+        worker_inputs = [t.to(self.device, non_blocking=True) for t in (drafts, num_drafts, ranked)]
+        drafted = Fence(self.device, "the drafts").record()
+        handoff(worker_inputs, self._stream)
         exposed = time.perf_counter() - start
-        self._pending = self._executor.submit(self._prepare, contexts, drafts, num_drafts, ranked, logits, sampling)
+        self._pending = self._executor.submit(self._prepare, contexts, *worker_inputs, sampling, drafted)
         return Proposal(drafts, num_drafts, logits, looked_up, [index is not None for index in found], exposed,
                         errors=errors)
 
@@ -338,17 +350,17 @@ class SuccessorSource(BlockSource):
         index = branch.keys.get(tuple(context[branch.base :]))
         return index if index is not None and branch.counts[index] > 0 else None
 
-    def _prepare(self, contexts, drafts, num_drafts, ranked, logits, sampling) -> tuple[list[PreparedBranches], float]:
-        """Worker: plan every row's branches and draft them in one packed pass; returns them and the seconds taken."""
-        start = time.perf_counter()
-        if self._stream is None:
+    def _prepare(self, contexts, drafts, num_drafts, ranked, sampling, drafted: Fence):
+        """Worker: plan every row's branches and draft them in one packed pass, on the worker's stream after the
+        drafts (`drafted`); returns them, the seconds taken and the fence of their work (already done)."""
+        with use_stream(self._stream):
+            drafted.wait()
+            start = self._clock.mark()
             prepared = self._branches_for(contexts, drafts, num_drafts, ranked, sampling)
-        else:
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._stream):
-                prepared = self._branches_for(contexts, drafts, num_drafts, ranked, sampling)
-        synchronize(self.device)
-        return prepared, time.perf_counter() - start
+            end = self._clock.mark()
+            done = Fence(self.device, "the successor branches").record()
+        done.synchronize()  # this thread waits for its own stream, never the device
+        return prepared, seconds(start, end), done
 
     @torch.no_grad()
     def _branches_for(self, contexts, drafts, num_drafts, ranked, sampling) -> list[PreparedBranches]:
@@ -377,15 +389,22 @@ class SuccessorSource(BlockSource):
 
     def _row_branches(self, context: list[int], draft_list: list[int], anchors: list[tuple[int, int]],
                       keys: dict, raw: torch.Tensor, row_sampling: RowSampling) -> PreparedBranches:
-        """One row's branches from its logits `raw` `(K, B - 1, vocab)` of the successor pass."""
+        """One row's branches from its logits `raw` `(K, B - 1, vocab)` of the successor pass (the drafter's dtype).
+        A row that neither processes nor samples ranks them as they are, on the drafter's device (argmax and top-k
+        of bf16 logits equal those of their float32 copy); the others are processed in float32 where their
+        processors live (`RowSampling.device`)."""
         blocks = len(anchors)
         processors = row_sampling.logits_processor
         if processors and not context_free(processors):  # each block's processors read its own prefix
             prefixes = [context + draft_list[:j] + [token] for token, j in anchors[:-1]] + [context + draft_list]
         else:
             prefixes = [None] * blocks
-        processed = torch.stack([process(processors, prefix, raw[k]) for k, prefix in enumerate(prefixes)])
-        tokens = torch.stack([choose(block, row_sampling.do_sample, row_sampling.generator) for block in processed])
+        if row_sampling.processes:
+            raw = raw.to(row_sampling.device or raw.device).float()
+            processed = torch.stack([process(processors, prefix, raw[k]) for k, prefix in enumerate(prefixes)])
+            tokens = torch.stack([choose(block, row_sampling.do_sample, row_sampling.generator) for block in processed])
+        else:
+            processed, tokens = raw, raw.argmax(-1)
         keys.setdefault(tuple(draft_list) + (int(tokens[-1, 0]),), blocks - 1)
         tokens[-1] = torch.cat([tokens[-1, 1:], tokens.new_zeros(1)])  # full acceptance: after the guess
         processed[-1] = torch.cat([processed[-1, 1:], processed.new_zeros(1, processed.shape[-1])])
@@ -401,8 +420,13 @@ class SuccessorSource(BlockSource):
             return DraftTiming()
         start = time.perf_counter()
         pending, self._pending = self._pending, None
-        prepared, worker_seconds = pending.result()
+        prepared, worker_seconds, done = pending.result()
         waited = time.perf_counter() - start
+        done.wait()  # the next round's work on this thread's stream reads the branches after the worker made them
+        stream = current_stream(self.device)
+        for branch in prepared:
+            if isinstance(branch, PreparedBranches):
+                handoff([branch.tokens, branch.ranked, branch.logits], stream)
         for r, (context, accepted) in enumerate(zip(contexts, accepted_drafts)):
             self.cache.committed[r] = len(context) + accepted
             self.branches[r] = prepared[r]
@@ -423,5 +447,4 @@ class SuccessorSource(BlockSource):
 
 
 __all__ = ["BlockSource", "DEFAULT_COVERAGE", "DEFAULT_FANOUT", "DraftTiming", "DrafterSource", "PreparedBranches",
-           "Proposal", "RowSampling", "SuccessorSource", "check_budget", "check_device", "check_max_drafts", "drafts_from_logits",
-           "synchronize"]
+           "Proposal", "RowSampling", "SuccessorSource", "check_budget", "check_device", "check_max_drafts", "drafts_from_logits"]
