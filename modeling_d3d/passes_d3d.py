@@ -5,12 +5,16 @@ and what it sees (`masking_d3d.interval_mask`); `run_pass` plans the cache, buil
 its `compiled_forward`); `prefill` commits a prompt to one slot.
 """
 
+import threading
+import types
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
-from .caches_d3d import StaticKVCache
+from .caches_d3d import CachePool, StaticKVCache
 from .masking_d3d import interval_mask
 
 
@@ -70,6 +74,20 @@ class PassLayout:
         self.own_start[row, columns] = scratch
         self.own_end[row, columns] = scratch + 1
 
+    def padded(self, rows: int) -> "PassLayout":
+        """This layout with rows added up to `rows` (fixed shapes): each added row writes its input columns to the
+        same cache columns of its (unused) slot and sees only itself."""
+        extra, width = rows - self.ids.shape[0], self.ids.shape[1]
+        if extra <= 0:
+            return self
+        columns = torch.arange(width).expand(extra, width)
+        added = PassLayout(torch.zeros(extra, width, dtype=torch.long), columns, columns, torch.zeros_like(columns),
+                           columns, columns + 1)
+        return PassLayout(*(torch.cat([mine, theirs]) for mine, theirs in zip(self.fields(), added.fields())))
+
+    def fields(self) -> tuple[torch.Tensor, ...]:
+        return self.ids, self.positions, self.write_index, self.prefix_end, self.own_start, self.own_end
+
     def kv_length(self) -> int:
         """Columns the pass must attend over: every column it writes or a query sees."""
         return int(torch.maximum(self.write_index.max() + 1, self.prefix_end.max()))
@@ -79,13 +97,16 @@ class PassLayout:
 def run_pass(model, cache: StaticKVCache, layout: PassLayout, logits_to_keep: int, first_row: int = 0,
              forward=None) -> torch.Tensor:
     """One forward of `model` (a target or a drafter) over `layout` on cache rows `first_row..`; returns the float32
-    logits of the last `logits_to_keep` input columns, `(rows, logits_to_keep, vocab)`. `forward`: a compiled
-    `model.forward` (`CompiledForward`) to use instead; with fixed shapes it attends over every cache column (else,
-    as eager passes, over the columns in use only)."""
+    logits of the last `logits_to_keep` input columns, `(rows, logits_to_keep, vocab)`. `forward`: a
+    `CompiledForward` to use instead: it attends over every cache column (eager passes: over the columns in use
+    only), with fixed shapes over every slot too (the added rows' logits are dropped), and its logits are a copy
+    (a CUDA graph's outputs are overwritten by its next replay)."""
     device = cache.device
     rows = layout.ids.shape[0]
-    kv_length = cache.capacity if fixed_shapes(forward) else layout.kv_length()
-    cache.plan(rows, layout.write_index, kv_length, first_row)
+    if fixed_shapes(forward):
+        layout = layout.padded(cache.slots - first_row)
+    kv_length = cache.capacity if forward is not None else layout.kv_length()
+    cache.plan(layout.ids.shape[0], layout.write_index, kv_length, first_row)
     mask = interval_mask(
         model.config, layout.prefix_end.to(device), layout.own_start.to(device), layout.own_end.to(device), kv_length,
         model.dtype,
@@ -94,29 +115,120 @@ def run_pass(model, cache: StaticKVCache, layout: PassLayout, logits_to_keep: in
         input_ids=layout.ids.to(device), position_ids=layout.positions.to(device),
         attention_mask={"full_attention": mask}, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep,
     )
-    return output.logits.float()
+    return output.logits[:rows].to(torch.float32, copy=forward is not None)
+
+
+PASS_KINDS = ("verify", "block", "successor")
+
+
+def _model_forward(model, **kwargs):
+    return model.forward(**kwargs)
+
+
+def pass_function(model, kind: str) -> Callable:
+    """`model.forward` behind a function of its own: a copy of `_model_forward`'s code object named after `kind`.
+    Dynamo keeps compiled code, guards and its recompile limit per code object, so each pass kind compiles, is
+    cached and (on CUDA) is captured on its own, never sharing a compiled graph with another kind or thread."""
+    code = _model_forward.__code__.replace(co_name=f"d3d_{kind}_pass", co_qualname=f"d3d_{kind}_pass")
+    return partial(types.FunctionType(code, _model_forward.__globals__, code.co_name), model)
 
 
 @dataclass
 class CompiledForward:
-    """A compiled `model.forward`. With `fixed_shapes` (CUDA graphs, "reduce-overhead") every pass of a kind has one
-    shape: it attends over every cache column and drafting widths are padded to their largest round. Without
-    (inductor on CPUs), passes keep their eager shapes and the compiler marks the changing lengths dynamic after
-    the first change, so one compilation serves every length."""
+    """The forward of one pass kind (`PASS_KINDS`), compiled, called from one thread (CUDA-graph trees keep
+    per-thread state; `threads` records the callers, which tests check).
+
+    Every compiled pass attends over every cache column, so the only dimensions that change are rows, input width
+    and the cache's size, marked dynamic up front (`mark_dynamic_inputs`): one compilation serves them all (a
+    dimension of size 1 compiles once more: PyTorch specialises 0 and 1). With `fixed_shapes` (CUDA graphs,
+    "reduce-overhead") the shapes of a pass kind are fixed besides: rows padded to the cache's slots, drafting
+    widths to their largest round, slots and cache sizes bucketed by the caller (`generation_d3d`), so a CUDA graph
+    is recorded once per bucket and replayed."""
 
     function: Callable
     fixed_shapes: bool
+    kind: str = "verify"
+    threads: set[int] = field(default_factory=set)
 
     def __call__(self, **kwargs):
+        self.threads.add(threading.get_ident())
+        mark_dynamic_inputs(kwargs)
         return self.function(**kwargs)
 
 
-def compiled_forward(model) -> CompiledForward:
-    """`model.forward` compiled: CUDA graphs with fixed shapes on CUDA, inductor with dynamic lengths elsewhere, its
-    wrapper code in C++ (`cpp_wrapper`: the kernels are the same, the per-call Python that launches them is gone)."""
-    if model.device.type == "cuda":
-        return CompiledForward(torch.compile(model.forward, mode="reduce-overhead", dynamic=False), True)
-    return CompiledForward(torch.compile(model.forward, options={"cpp_wrapper": True}), False)
+def mark_dynamic_inputs(kwargs: dict) -> None:
+    """Mark the dimensions a compiled pass changes dynamic before its first call (so no length, row count or cache
+    size compiles again): ids and positions `(rows, width)`, the mask `(rows, 1, width, capacity)`, the cache's
+    write index `(rows, width)` (its buffers are marked when allocated, `StaticKVCache`)."""
+    for name in ("input_ids", "position_ids"):
+        torch._dynamo.maybe_mark_dynamic(kwargs[name], [0, 1])
+    torch._dynamo.maybe_mark_dynamic(kwargs["attention_mask"]["full_attention"], [0, 2, 3])
+    torch._dynamo.maybe_mark_dynamic(kwargs["past_key_values"].write_index, [0, 1])
+
+
+def compiled_forward(model, kind: str = "verify", fixed: bool | None = None, compile: bool = True) -> CompiledForward:
+    """`model.forward` for pass `kind`, compiled: CUDA graphs ("reduce-overhead") with fixed shapes on CUDA,
+    inductor elsewhere with its wrapper code in C++ (`cpp_wrapper`: the kernels are the same, the per-call Python
+    that launches them is gone). fixed: fixed shapes (None: on CUDA); compile=False: the eager forward with the
+    compiled path's shapes (what CPU tests check the CUDA path's layouts with)."""
+    if kind not in PASS_KINDS:
+        raise RuntimeError(f"No pass kind {kind!r}; the kinds are {PASS_KINDS}")
+    cuda = model.device.type == "cuda"
+    fixed = cuda if fixed is None else fixed
+    function = pass_function(model, kind)
+    if compile:
+        options = {"mode": "reduce-overhead"} if cuda else {"options": {"cpp_wrapper": True}}
+        function = torch.compile(function, **options)
+    return CompiledForward(function, fixed, kind)
+
+
+class CompiledPasses:
+    """What a compiled model keeps across `generate` calls, so nothing compiles or records again: one
+    `CompiledForward` per pass kind and the caches its graphs captured (`CachePool`, keyed by slots and size).
+    Held by the model (`compiled_passes`); released with it or by `release_compiled_passes(model)`."""
+
+    def __init__(self, model, fixed: bool | None = None, compile: bool = True):
+        self.model, self.fixed, self.compile = model, fixed, compile
+        self.forwards: dict[str, CompiledForward] = {}
+        self.caches = CachePool()
+        self._worker: ThreadPoolExecutor | None = None
+
+    @property
+    def fixed_shapes(self) -> bool:
+        return self.model.device.type == "cuda" if self.fixed is None else self.fixed
+
+    def forward(self, kind: str) -> CompiledForward:
+        if kind not in self.forwards:
+            self.forwards[kind] = compiled_forward(self.model, kind, self.fixed, self.compile)
+        return self.forwards[kind]
+
+    def worker(self) -> ThreadPoolExecutor:
+        """The one thread background passes (the successor pass) run on, call after call (its thread exits when
+        these passes are released)."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3d-drafter")
+        return self._worker
+
+    def close(self) -> None:
+        """Let the worker thread end."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+
+
+def compiled_passes(model) -> CompiledPasses:
+    """The model's `CompiledPasses` (created on first use, kept on the model as `model.d3d_compiled_passes`)."""
+    passes = getattr(model, "d3d_compiled_passes", None)
+    if passes is None:
+        passes = CompiledPasses(model)
+        model.d3d_compiled_passes = passes
+    return passes
+
+
+def release_compiled_passes(model) -> None:
+    """Drop what `compiled_passes(model)` holds (its caches' memory, its compiled forwards)."""
+    passes = model.__dict__.pop("d3d_compiled_passes", None)
+    if passes is not None:
+        passes.close()
 
 
 def fixed_shapes(forward) -> bool:
@@ -133,4 +245,5 @@ def prefill(model, cache: StaticKVCache, slot: int, tokens: list[int]) -> None:
     cache.committed[slot] = len(tokens)
 
 
-__all__ = ["CompiledForward", "PassLayout", "compiled_forward", "fixed_shapes", "prefill", "run_pass"]
+__all__ = ["CompiledForward", "CompiledPasses", "PASS_KINDS", "PassLayout", "compiled_forward", "compiled_passes",
+           "fixed_shapes", "mark_dynamic_inputs", "pass_function", "prefill", "release_compiled_passes", "run_pass"]
