@@ -148,10 +148,10 @@ class CompiledForward:
     function: Callable
     fixed_shapes: bool
     kind: str = "verify"
-    threads: set[int] = field(default_factory=set)
+    threads: set[threading.Thread] = field(default_factory=set)  # the threads themselves: an ident may be reused
 
     def __call__(self, **kwargs):
-        self.threads.add(threading.get_ident())
+        self.threads.add(threading.current_thread())
         mark_dynamic_inputs(kwargs)
         return self.function(**kwargs)
 

@@ -10,12 +10,14 @@ import torch
 from conftest import left_pad, tiny_target
 from modeling_d3d import D3DForBlockDiffusion, RoundRecord
 from modeling_d3d.generation_d3d import COMPILE_LENGTH_BUCKET, compiled_engine_size, speculative_generate
-from modeling_d3d.passes_d3d import PASS_KINDS, CompiledPasses, compiled_passes, release_compiled_passes
+from modeling_d3d.caches_d3d import StaticKVCache
+from modeling_d3d.drafting_d3d import successor_pass
+from modeling_d3d.passes_d3d import PASS_KINDS, CompiledPasses, compiled_passes, prefill, release_compiled_passes
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 VOCAB, BLOCK = 8, 4
-COVERAGE, FANOUT = 3, 2
+COVERAGE, FANOUT = BLOCK, 2  # C = B: a round whose drafts are fewer than C - 1 plans fewer blocks
 
 
 def pair(seed: int = 0):
@@ -45,12 +47,14 @@ def decode(target, drafter, ids, mask, settings: dict, asynchronous: bool, recor
 class ShapeLog:
     """Wraps each forward of `CompiledPasses` to record `(kind, ids shape, mask shape)` per call."""
 
-    def __init__(self, target_passes: CompiledPasses, drafter_passes: CompiledPasses):
+    def __init__(self):
         self.calls: list[tuple[str, tuple, tuple]] = []
-        for passes, kinds in ((target_passes, ["verify"]), (drafter_passes, ["block", "successor"])):
-            for kind in kinds:
-                forward = passes.forward(kind)
-                forward.function = self.recording(kind, forward.function)
+
+    def watch(self, passes: CompiledPasses, *kinds: str) -> "ShapeLog":
+        for kind in kinds:
+            forward = passes.forward(kind)
+            forward.function = self.recording(kind, forward.function)
+        return self
 
     def recording(self, kind, function):
         def call(**kwargs):
@@ -77,7 +81,7 @@ def test_the_fixed_shape_path_eager_is_token_identical_and_its_shapes_change_onl
         model.d3d_compiled_passes = passes
     kinds = ["verify", "block"] + (["successor"] if asynchronous else [])
     try:
-        log = ShapeLog(held[target], held[drafter])
+        log = ShapeLog().watch(held[target], "verify").watch(held[drafter], "block", "successor")
         buffers = {}
         for lengths, seed, max_new in (([5, 11, 3], 0, 14), ([9], 1, 10), ([4, 7, 12], 2, 14)):
             ids, mask = prompts(lengths, seed)
@@ -103,7 +107,7 @@ def test_the_fixed_shape_path_eager_is_token_identical_and_its_shapes_change_onl
                       if c.slots == slots]
             assert len(pooled) == 1
             assert buffers.setdefault(slots, pooled[0]) == pooled[0]  # the same buckets: the same cache buffers
-        main = threading.get_ident()
+        main = threading.current_thread()
         assert not held[drafter].forwards["successor"].threads or asynchronous
         for passes in held.values():
             for kind, forward in passes.forwards.items():
@@ -114,6 +118,28 @@ def test_the_fixed_shape_path_eager_is_token_identical_and_its_shapes_change_onl
     finally:
         for model in held:
             release_compiled_passes(model)
+
+
+def test_a_fixed_shape_successor_pass_has_one_width_whatever_the_drafts():
+    """Rounds with fewer drafts than `C - 1` plan fewer branch blocks; with fixed shapes the pass is padded to the
+    most blocks a round plans, `(C - 1) F + 1`, so it keeps one width (and its logits one shape)."""
+    _, drafter = pair()
+    passes = CompiledPasses(drafter, fixed=True, compile=False)
+    log = ShapeLog().watch(passes, "successor")
+    forward = passes.forward("successor")
+    most = (COVERAGE - 1) * FANOUT + 1
+    context = [1, 2, 3, 4, 5]
+    cache = StaticKVCache(drafter.config, 2, 128, "cpu", drafter.dtype)
+    logits_shapes = set()
+    for count in range(1, BLOCK):
+        prefill(drafter, cache, 0, context[:-1])
+        drafts = [6] * count
+        anchors = [(7, j) for j in range(min(COVERAGE - 1, count)) for _ in range(FANOUT)] + [(drafts[-1], count - 1)]
+        logits = successor_pass(drafter, cache, [context], [len(context) - 1], [drafts], [anchors], forward, most)
+        logits_shapes.add(tuple(logits.shape))
+    width = 2 * BLOCK + most * BLOCK
+    assert log.shapes("successor") == {((2, width), (2, 1, width, 128))}
+    assert logits_shapes == {(1, most, BLOCK - 1, VOCAB)}
 
 
 def test_after_the_warm_up_no_prompt_length_or_batch_size_compiles_again():
@@ -134,7 +160,7 @@ def test_after_the_warm_up_no_prompt_length_or_batch_size_compiles_again():
             assert torch.equal(output, target.generate(ids, attention_mask=mask, **settings)), lengths
             counts.append(record.compilations)
         assert counts[0] > 0 and counts[len(warm_up):] == [0] * len(later), counts
-        main = threading.get_ident()
+        main = threading.current_thread()
         forwards = {**compiled_passes(target).forwards, **compiled_passes(drafter).forwards}
         assert sorted(forwards) == sorted(PASS_KINDS)
         threads = {kind: forward.threads for kind, forward in forwards.items()}
