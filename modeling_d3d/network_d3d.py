@@ -137,7 +137,9 @@ class D3DBlockDiffusionModel(D3DPreTrainedModel, GenerationMixin):
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
-        if logits_to_keep:
+        if isinstance(logits_to_keep, torch.Tensor):  # the input columns to keep `(n,)` (compiled passes)
+            hidden_states = hidden_states[:, logits_to_keep]
+        elif logits_to_keep:
             hidden_states = hidden_states[:, -logits_to_keep:]
         return CausalLMOutputWithPast(
             logits=self.lm_head(hidden_states),

@@ -10,7 +10,6 @@ import types
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 
@@ -111,9 +110,13 @@ def run_pass(model, cache: StaticKVCache, layout: PassLayout, logits_to_keep: in
         model.config, layout.prefix_end.to(device), layout.own_start.to(device), layout.own_end.to(device), kv_length,
         model.dtype,
     )
+    keep = logits_to_keep
+    if forward is not None:  # the kept columns as a tensor: its length is a dynamic dimension, an int a guard
+        width = layout.ids.shape[1]
+        keep = torch.arange(width - logits_to_keep, width, device=device)
     output = (forward or model)(
         input_ids=layout.ids.to(device), position_ids=layout.positions.to(device),
-        attention_mask={"full_attention": mask}, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep,
+        attention_mask={"full_attention": mask}, past_key_values=cache, use_cache=True, logits_to_keep=keep,
     )
     return output.logits[:rows].to(torch.float32, copy=forward is not None)
 
@@ -121,16 +124,19 @@ def run_pass(model, cache: StaticKVCache, layout: PassLayout, logits_to_keep: in
 PASS_KINDS = ("verify", "block", "successor")
 
 
-def _model_forward(model, **kwargs):
-    return model.forward(**kwargs)
+def _forward_of(model) -> Callable:
+    def pass_forward(**kwargs):
+        return model.forward(**kwargs)
+    return pass_forward
 
 
 def pass_function(model, kind: str) -> Callable:
-    """`model.forward` behind a function of its own: a copy of `_model_forward`'s code object named after `kind`.
-    Dynamo keeps compiled code, guards and its recompile limit per code object, so each pass kind compiles, is
-    cached and (on CUDA) is captured on its own, never sharing a compiled graph with another kind or thread."""
-    code = _model_forward.__code__.replace(co_name=f"d3d_{kind}_pass", co_qualname=f"d3d_{kind}_pass")
-    return partial(types.FunctionType(code, _model_forward.__globals__, code.co_name), model)
+    """`model.forward` behind a function of its own: `pass_forward` with a copy of its code object, named after
+    `kind`. Dynamo keeps compiled code, guards and its recompile limit per code object, so each pass kind compiles,
+    is cached and (on CUDA) is captured on its own, never sharing a compiled graph with another kind or thread."""
+    function = _forward_of(model)
+    code = function.__code__.replace(co_name=f"d3d_{kind}_pass", co_qualname=f"d3d_{kind}_pass")
+    return types.FunctionType(code, function.__globals__, code.co_name, None, function.__closure__)
 
 
 @dataclass
@@ -159,11 +165,13 @@ class CompiledForward:
 def mark_dynamic_inputs(kwargs: dict) -> None:
     """Mark the dimensions a compiled pass changes dynamic before its first call (so no length, row count or cache
     size compiles again): ids and positions `(rows, width)`, the mask `(rows, 1, width, capacity)`, the cache's
-    write index `(rows, width)` (its buffers are marked when allocated, `StaticKVCache`)."""
+    write index `(rows, width)`, the kept columns `(n,)` (the cache's buffers are marked when allocated,
+    `StaticKVCache`)."""
     for name in ("input_ids", "position_ids"):
         torch._dynamo.maybe_mark_dynamic(kwargs[name], [0, 1])
     torch._dynamo.maybe_mark_dynamic(kwargs["attention_mask"]["full_attention"], [0, 2, 3])
     torch._dynamo.maybe_mark_dynamic(kwargs["past_key_values"].write_index, [0, 1])
+    torch._dynamo.maybe_mark_dynamic(kwargs["logits_to_keep"], 0)
 
 
 def compiled_forward(model, kind: str = "verify", fixed: bool | None = None, compile: bool = True) -> CompiledForward:
