@@ -168,6 +168,7 @@ def summarize(methods: list[Method], runs: list[MethodRun], warmups: list[float]
             "ideal_sync_fraction": same_mode / ideal_sync if ideal_sync else None,
             "ideal_async_fraction": same_mode / ideal_async if ideal_async else None,
             "warmup_seconds": warmup,
+            "compilations": run.compilations,
             "new_tokens": run.new_tokens,
             "rounds": run.rounds,
             "seconds": run.seconds,

@@ -20,8 +20,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from cli.dtype import DtypeChoice, add_argument, choose_dtype
 from modeling_d3d import D3DForBlockDiffusion
 from modeling_d3d.caches_d3d import StaticKVCache
-from modeling_d3d.passes_d3d import PassLayout, prefill, run_pass
-from modeling_d3d.passes_d3d import compiled_forward
+from modeling_d3d.passes_d3d import PassLayout, compiled_passes, prefill, run_pass
 from modeling_d3d.sources_d3d import BlockSource, RowSampling, SuccessorSource
 from modeling_d3d.streams_d3d import synchronize
 
@@ -60,13 +59,14 @@ def seconds(fn, repeats: int, device: torch.device) -> float:
 @torch.no_grad()
 def target_pass_seconds(target, prefix: list[int], n: int, repeats: int, compile: bool = False) -> float:
     """The engine's verify pass: `target` over `n` new tokens after a committed prefix (one `StaticKVCache` row),
-    eager or through the engine's compiled forward (compiled once before timing)."""
+    eager or through the engine's compiled verify forward (`compiled_passes`, kept on the target; compiled once
+    before timing)."""
     width = max(n, 1)
     cache = StaticKVCache(target.config, 1, len(prefix) + width, target.device, target.dtype)
     prefill(target, cache, 0, prefix)
     layout = PassLayout.empty(1, width, 0)
     layout.put_causal(0, 0, prefix[-width:], len(prefix))
-    forward = compiled_forward(target) if compile else None
+    forward = compiled_passes(target).forward("verify") if compile else None
     return seconds(lambda: run_pass(target, cache, layout, width, forward=forward), repeats, target.device)
 
 

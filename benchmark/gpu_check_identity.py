@@ -75,7 +75,8 @@ def stats_summary(drafter) -> dict:
     record = drafter.generation_stats
     if record is None:
         return {}
-    return {"rounds": record.rounds, "tau": round(record.tau, 3), "accepted": dict(sorted(record.accepted.items()))}
+    return {"rounds": record.rounds, "tau": round(record.tau, 3), "accepted": dict(sorted(record.accepted.items())),
+            "compilations": record.compilations}
 
 
 @dataclass

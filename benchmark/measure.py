@@ -33,7 +33,8 @@ class RoundCounter(BaseStreamer):
 @dataclass
 class MethodRun:
     """One method over one prompt set: totals and per-prompt outputs. `verify_seconds` / `exposed_draft_seconds`
-    are summed from the engine's round records (None for methods outside the engine)."""
+    are summed from the engine's round records (None for methods outside the engine), as are `compilations`
+    (graphs PyTorch compiled during the rounds)."""
 
     name: str
     seconds: float = 0.0
@@ -43,6 +44,7 @@ class MethodRun:
     lookups: int = 0
     verify_seconds: float | None = None
     exposed_draft_seconds: float | None = None
+    compilations: int = 0
     outputs: list[list[int]] = field(default_factory=list)
 
     @property
@@ -70,6 +72,7 @@ class MethodRun:
         self.cache_hits += record.cache_hits
         self.verify_seconds = (self.verify_seconds or 0.0) + record.verify_seconds
         self.exposed_draft_seconds = (self.exposed_draft_seconds or 0.0) + record.exposed_draft_seconds
+        self.compilations += record.compilations
 
 
 def decode_one(target, prompt: torch.Tensor, max_new_tokens: int, run: MethodRun, **generate_kwargs) -> None:

@@ -81,9 +81,11 @@ def markdown(results: dict) -> str:
             )
         if "identity" in results:
             lines.append(f"\nLossless: {IDENTITY[results['identity']]}")
-        compiled = [f"{row['method']} {row['warmup_seconds']:.1f} s" for row in prompt_set["methods"] if row.get("compiled")]
+        compiled = [f"{row['method']} {row['warmup_seconds']:.1f} s ({row.get('compilations', 0)} compiles after it)"
+                    for row in prompt_set["methods"] if row.get("compiled")]
         if compiled:
-            lines.append(f"\nCompile time (the first, warm-up call of each compiled method): {', '.join(compiled)}.")
+            lines.append(f"\nCompile time (the first, warm-up call of each compiled method), and the graphs compiled "
+                         f"again in the measured calls: {', '.join(compiled)}.")
         lines.append("")
     lines += ["### D3D async budget sweep", "", "| C | F | budget (tokens) | tok/s | τ | cache hits |", "|---|---|---|---|---|---|"]
     for row in results["sweep"]:

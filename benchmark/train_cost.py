@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from modeling_d3d import D3DForBlockDiffusion
-from modeling_d3d.sources_d3d import synchronize
+from modeling_d3d.streams_d3d import synchronize
 from trainer.collator import D3DCollator
 from trainer.d3d_trainer import d3d_loss_terms
 from trainer.losses import DFLASH_GAMMA, IGNORE_INDEX, LOGITS_CHUNK_ELEMENTS, adjust_teacher, position_weights

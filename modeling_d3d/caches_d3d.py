@@ -7,6 +7,11 @@ reads and advances the target's, the drafter sources their drafter's) is how man
 tokens; rejected tokens are rolled back by not counting them, and the next pass overwrites their columns. Nothing is
 reallocated, cropped or concatenated in a round.
 
+Compiled passes (`passes_d3d.CompiledForward`) attend over every column, and read rows and widths from tensor
+shapes only (no Python int of theirs reaches the compiled code), so a compiler guards on nothing that changes from
+pass to pass; the buffers are marked static addresses (CUDA graphs capture them instead of copying them) with their
+slot and column dimensions dynamic. A `CachePool` keeps caches across engines so captured graphs are replayed.
+
 Column `c` of a row holds the token at position `c` for its committed (causal) part; block tokens of a drafting pass
 go to scratch columns after it, which are never committed.
 """
@@ -29,9 +34,14 @@ class StaticKVCache:
         shape = (slots, heads, capacity, head_dim)
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(text.num_hidden_layers)]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(text.num_hidden_layers)]
+        for buffer in self.keys + self.values:
+            torch._dynamo.mark_static_address(buffer)
+            torch._dynamo.maybe_mark_dynamic(buffer, [0, 2])
         self.slots, self.capacity, self.device = slots, capacity, torch.device(device)
+        self.key = cache_key(config, slots, capacity, device, dtype)
         self.committed = [0] * slots  # per slot: its columns 0..committed-1 hold its tokens at their positions
-        self._rows, self._index, self._kv_length = slice(0, 0), None, 0
+        self.write_index: torch.Tensor | None = None
+        self._first_row, self._kv_length = 0, None
 
     def plan(self, rows: int, write_index: torch.Tensor, kv_length: int, first_row: int = 0) -> None:
         """Set up the next pass over slots `first_row..first_row + rows - 1`: `write_index` `(rows, width)` long cache
@@ -39,20 +49,25 @@ class StaticKVCache:
         if first_row + rows > self.slots or kv_length > self.capacity:
             raise RuntimeError(f"A pass over {rows} rows and {kv_length} columns does not fit a cache of {self.slots} "
                              f"slots x {self.capacity} columns")
-        self._rows = slice(first_row, first_row + rows)
-        self._kv_length = kv_length
-        self._index = write_index.to(self.device, non_blocking=True)
+        if write_index.shape[0] != rows:
+            raise RuntimeError(f"A write index of {write_index.shape[0]} rows for a pass over {rows}")
+        self._first_row = first_row
+        self._kv_length = None if kv_length == self.capacity else kv_length  # None: every column (compiled passes)
+        self.write_index = write_index.to(self.device, non_blocking=True)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Write `(rows, kv_heads, width, head_dim)` states at the planned columns; return the attended columns."""
-        index = self._index[:, None, :, None].expand_as(key_states)
-        keys, values = self.keys[layer_idx][self._rows], self.values[layer_idx][self._rows]
+        index = self.write_index[:, None, :, None].expand_as(key_states)
+        rows = slice(self._first_row, self._first_row + index.shape[0])
+        keys, values = self.keys[layer_idx][rows], self.values[layer_idx][rows]
         keys.scatter_(2, index, key_states.to(keys.dtype))
         values.scatter_(2, index, value_states.to(values.dtype))
+        if self._kv_length is None:
+            return keys, values
         return keys[:, :, : self._kv_length], values[:, :, : self._kv_length]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self._kv_length
+        return self.capacity if self._kv_length is None else self._kv_length
 
     def move_row(self, from_slot: int, to_slot: int) -> None:
         """Copy the committed columns of slot `from_slot` (and its committed length) into slot `to_slot` (a row
@@ -66,4 +81,32 @@ class StaticKVCache:
                 layer[to_slot, :, :length] = layer[from_slot, :, :length]
 
 
-__all__ = ["StaticKVCache"]
+def cache_key(config, slots: int, capacity: int, device, dtype: torch.dtype) -> tuple:
+    """What makes two caches interchangeable: geometry, device and dtype."""
+    text = config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return (text.num_hidden_layers, text.num_key_value_heads, head_dim, slots, capacity, str(torch.device(device)),
+            dtype)
+
+
+class CachePool:
+    """Caches kept for reuse across engines (compiled passes: a CUDA graph captured a cache's buffers, so the next
+    engine of the same slots and size gets the same buffers and replays it). `take` hands a cache out exclusively
+    (a free one of that key, else a new one); `put` returns it. Not thread-safe: one engine is built at a time."""
+
+    def __init__(self):
+        self.free: dict[tuple, list[StaticKVCache]] = {}
+
+    def take(self, config, slots: int, capacity: int, device, dtype: torch.dtype) -> StaticKVCache:
+        free = self.free.get(cache_key(config, slots, capacity, device, dtype))
+        if not free:
+            return StaticKVCache(config, slots, capacity, device, dtype)
+        cache = free.pop()
+        cache.committed = [0] * slots
+        return cache
+
+    def put(self, cache: StaticKVCache) -> None:
+        self.free.setdefault(cache.key, []).append(cache)
+
+
+__all__ = ["CachePool", "StaticKVCache", "cache_key"]

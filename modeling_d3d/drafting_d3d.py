@@ -99,15 +99,16 @@ def plan_alternatives(drafts: torch.Tensor, ranked: torch.Tensor, coverage: int,
 
 def successor_layout(contexts: list[list[int]], committed: list[int], drafts: list[list[int]],
                      anchors: list[list[tuple[int, int]]], block_size: int, mask_id: int,
-                     fixed: bool = False) -> tuple[PassLayout, int]:
+                     fixed: bool = False, min_blocks: int = 0) -> tuple[PassLayout, int]:
     """ONE packed pass: per row `[padding, uncached tokens, drafts, block_1, ..., block_K]`. anchors[r] lists its
     blocks as `(token, j)`: the block `[token, M, ...]` sits at position `len(context) + j` and sees the context and
     the first `j` drafts (the full-acceptance branch is `(drafts[-1], len(drafts) - 1)`). Rows with fewer blocks
-    repeat their last one. Blocks and padding go to scratch columns; `fixed`: the causal part at least `2B` wide
-    (fixed shapes). Returns the layout and the blocks per row."""
+    repeat their last one, as do all rows up to `min_blocks` blocks. Blocks and padding go to scratch columns;
+    `fixed`: the causal part at least `2B` wide (fixed shapes: with `min_blocks` the most a round plans, every pass
+    has one width). Returns the layout and the blocks per row."""
     uncached = [len(context) - done + len(row_drafts) for context, done, row_drafts in zip(contexts, committed, drafts)]
     causal_width = max([2 * block_size if fixed else 0, *uncached])
-    blocks = max(len(row) for row in anchors)
+    blocks = max(min_blocks, *(len(row) for row in anchors))
     layout = PassLayout.empty(len(contexts), causal_width + blocks * block_size, mask_id)
     masks = [mask_id] * (block_size - 1)
     for row, (context, done, row_drafts, row_anchors) in enumerate(zip(contexts, committed, drafts, anchors)):
@@ -123,13 +124,16 @@ def successor_layout(contexts: list[list[int]], committed: list[int], drafts: li
 
 
 def successor_pass(drafter, cache: StaticKVCache, contexts: list[list[int]], committed: list[int],
-                   drafts: list[list[int]], anchors: list[list[tuple[int, int]]], forward=None) -> torch.Tensor:
-    """Raw logits `(rows, blocks, B - 1, vocab)` of every branch block's masked positions (see `successor_layout`), in
-    the drafter's dtype (no float32 copy of every block: callers rank them, or convert the rows they process).
-    On return each row's cache holds its context and drafts (commit as far as verification accepts)."""
+                   drafts: list[list[int]], anchors: list[list[tuple[int, int]]], forward=None,
+                   max_blocks: int = 0) -> torch.Tensor:
+    """Raw logits `(rows, blocks, B - 1, vocab)` of every branch block's masked positions (see `successor_layout`;
+    max_blocks: the most blocks a round may plan, every pass's count with a fixed-shape `forward`), in the drafter's
+    dtype (no float32 copy of every block: callers rank them, or convert the rows they process). On return each row's
+    cache holds its context and drafts (commit as far as verification accepts)."""
     block_size = drafter.config.block_size
+    fixed = fixed_shapes(forward)
     layout, blocks = successor_layout(contexts, committed, drafts, anchors, block_size, drafter.config.mask_token_id,
-                                      fixed_shapes(forward))
+                                      fixed, max_blocks if fixed else 0)
     logits = run_pass(drafter, cache, layout, blocks * block_size, forward=forward, float32=False)
     return logits.reshape(len(contexts), blocks, block_size, -1)[:, :, 1:]
 

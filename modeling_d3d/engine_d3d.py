@@ -26,7 +26,7 @@ from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLeng
 from .acceptance_d3d import greedy_accept, rejection_sample
 from .caches_d3d import StaticKVCache
 from .drafting_d3d import process
-from .passes_d3d import PassLayout, compiled_forward, prefill, run_pass
+from .passes_d3d import CompiledPasses, PassLayout, compiled_passes, prefill, run_pass
 from .sources_d3d import DrafterSource, DraftTiming, RowSampling
 from .streams_d3d import Clock, seconds, synchronize
 
@@ -123,7 +123,9 @@ class RoundRecord:
 
     rounds: engine rounds; row_rounds: rounds summed over rows; new_tokens; accepted[n]: row rounds that added n
     tokens; lookups / cache_hits: rows that searched prepared branches / were served by one; seconds: verify,
-    exposed and hidden drafting, host, and prefill."""
+    exposed and hidden drafting, host, and prefill; compilations: graphs PyTorch compiled during the rounds (the
+    delta of `torch._dynamo.utils.counters["stats"]["unique_graphs"]`, process-wide: another thread's compiles
+    in the same rounds count too; 0 after the warm-up of compiled passes, see docs/architecture.md)."""
 
     keep: int = 100_000
     rounds: int = 0
@@ -137,6 +139,7 @@ class RoundRecord:
     hidden_draft_seconds: float = 0.0
     host_seconds: float = 0.0
     prefill_seconds: float = 0.0
+    compilations: int = 0
     history: deque = field(default_factory=deque)
 
     def __post_init__(self):
@@ -176,6 +179,11 @@ class RoundRecord:
         return [self.accepted.get(n, 0) for n in range(1, block_size + 1)]
 
 
+def compiled_graphs() -> int:
+    """Graphs PyTorch has compiled in this process so far (dynamo's `unique_graphs` counter)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
 def check_target(target) -> None:
     """Raise `ValueError` unless the engine can run `target`: on one device, decoder-only, full attention in every
     layer, sdpa or eager attention."""
@@ -202,12 +210,15 @@ class SpeculativeEngine:
     target: a causal LM; source: a drafter source (`sources_d3d.BlockSource`, `SuccessorSource`) or None (the target
     alone, one token a round); max_rows: cache slots; max_length: the longest prompt + new tokens a row may reach
     (caches are sized for it); compile: `torch.compile` the target's verify pass ("reduce-overhead" on CUDA, i.e.
-    CUDA graphs, with fixed shapes; inductor with dynamic lengths on CPUs; give the source a compiled forward too,
-    see `generation_d3d.make_source`). Not thread-safe: one caller drives it (`serving_d3d.D3DBatchServer` for many).
+    CUDA graphs, with fixed shapes; inductor with dynamic lengths on CPUs; give the source compiled passes too,
+    see `generation_d3d.make_source`), through the target's `passes_d3d.compiled_passes` (kept on the target with
+    the cache, reused by the next engine of the same size: `close` returns it); passes: those to use instead (e.g.
+    `CompiledPasses(target, fixed=True, compile=False)`: the fixed-shape path, eager). Not thread-safe: one caller
+    drives it (`serving_d3d.D3DBatchServer` for many).
     """
 
     def __init__(self, target, source: DrafterSource | None = None, max_rows: int = 1, max_length: int = 2048, compile: bool = False,
-                 keep_rounds: int = 100_000):
+                 keep_rounds: int = 100_000, passes: CompiledPasses | None = None):
         check_target(target)
         if source is not None:
             vocab = target.config.get_text_config().vocab_size
@@ -220,10 +231,12 @@ class SpeculativeEngine:
         self.width = source.block_size if source is not None else 1
         self.max_rows, self.max_length = max_rows, max_length
         self.device = target.get_input_embeddings().weight.device
-        self.cache = StaticKVCache(target.config, max_rows, max_length + self.width, self.device, target.dtype)
+        self.passes = passes if passes is not None or not compile else compiled_passes(target)
+        self.forward = self.passes.forward("verify") if self.passes is not None else None
+        shape = (target.config, max_rows, max_length + self.width, self.device, target.dtype)
+        self.cache = self.passes.caches.take(*shape) if self.passes is not None else StaticKVCache(*shape)
         if source is not None:
             source.allocate(max_rows, max_length + 1)
-        self.forward = compiled_forward(target) if compile else None
         self.clock = Clock(self.device)
         self.rows: list[Row] = []
         self.record = RoundRecord(keep=keep_rounds)
@@ -295,6 +308,7 @@ class SpeculativeEngine:
         if not self.rows:
             return []
         start = self.clock.mark()
+        graphs_before = compiled_graphs()
         proposal = None
         contexts = [row.drafter_context for row in self.rows] if self.source is not None else []  # before the round
         if self.source is not None:
@@ -313,6 +327,7 @@ class SpeculativeEngine:
         total = time.perf_counter() - start.host
         timing = RoundTiming(verify_seconds, exposed, drafting.hidden, max(total - verify_seconds - exposed, 0.0))
         self.record.add(outcomes, sum(proposal.looked_up) if proposal is not None else 0, timing)
+        self.record.compilations += compiled_graphs() - graphs_before
         return outcomes
 
     def _verify(self, proposal) -> torch.Tensor:
@@ -401,9 +416,14 @@ class SpeculativeEngine:
         self.rows = []
 
     def close(self) -> None:
-        """Stop the source's worker, if any."""
-        if self.source is not None:
-            self.source.close()
+        """Stop the source's worker, if any; return the caches to their pools (compiled passes)."""
+        try:
+            if self.source is not None:
+                self.source.close()
+        finally:
+            if self.passes is not None and self.cache is not None:
+                self.passes.caches.put(self.cache)
+                self.cache = None
 
 
-__all__ = ["Row", "RowSettings", "RoundOutcome", "RoundRecord", "RoundTiming", "SpeculativeEngine", "check_target"]
+__all__ = ["Row", "RowSettings", "RoundOutcome", "RoundRecord", "RoundTiming", "SpeculativeEngine", "check_target", "compiled_graphs"]

@@ -12,11 +12,21 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .engine_d3d import RoundRecord, SpeculativeEngine
 from .inputs_d3d import check_prompts
-from .passes_d3d import compiled_forward
+from .passes_d3d import compiled_passes
 from .settings_d3d import eos_ids, row_settings
 from .sources_d3d import DEFAULT_FANOUT, BlockSource, SuccessorSource, check_device
 
 COMPILE_LENGTH_BUCKET = 256
+
+
+def compiled_engine_size(rows: int, max_length: int, fixed: bool) -> tuple[int, int]:
+    """Slots and length of an engine with compiled passes: at least 2 slots (PyTorch specialises a dimension of
+    size 1, so a one-slot cache would compile once more); with fixed shapes (CUDA graphs attend over the whole cache
+    and every slot) slots rounded up to a power of two and the length to a multiple of `COMPILE_LENGTH_BUCKET`, so
+    calls of other batch sizes and prompt lengths replay a recorded graph (one per bucket pair)."""
+    if not fixed:
+        return max(rows, 2), max_length
+    return max(1 << (rows - 1).bit_length(), 2), -(-max_length // COMPILE_LENGTH_BUCKET) * COMPILE_LENGTH_BUCKET
 
 
 def front_door_kwargs(generate_kwargs: dict) -> dict:
@@ -36,17 +46,17 @@ def front_door_kwargs(generate_kwargs: dict) -> dict:
 
 def make_source(drafter, asynchronous: bool, coverage, fanout, drafter_device, worker_threads, compile: bool = False):
     """The drafter source for these settings: None (the target alone), block drafting, or successor drafting;
-    `compile`: its drafting passes compiled (`passes_d3d.compiled_forward`). drafter_device: where the drafter must
-    already be (`ValueError` otherwise; the user's model is never moved)."""
+    `compile`: its drafting passes compiled (the drafter's `passes_d3d.compiled_passes`, kept on it across calls).
+    drafter_device: where the drafter must already be (`ValueError` otherwise; the user's model is never moved)."""
     if drafter is None:
         if asynchronous:
             raise ValueError("asynchronous=True needs drafter=<a D3DForBlockDiffusion>")
         return None
     check_device(drafter, drafter_device)
-    forward = compiled_forward(drafter) if compile else None
+    passes = compiled_passes(drafter) if compile else None
     if asynchronous:
-        return SuccessorSource(drafter, coverage, fanout, worker_threads=worker_threads, forward=forward)
-    return BlockSource(drafter, forward=forward)
+        return SuccessorSource(drafter, coverage, fanout, worker_threads=worker_threads, passes=passes)
+    return BlockSource(drafter, passes=passes)
 
 
 def speculative_generate(
@@ -76,7 +86,8 @@ def speculative_generate(
     on a worker thread (`coverage`, `fanout`, `worker_threads`); drafter_device: where the drafter already is (checked,
     never moved to). drafter_input_ids: `(1, L)` the
     prompt the drafter reads when the target reads a reduced one (selective prefill; batch of one). compile:
-    compiled verify and drafting passes (`passes_d3d.compiled_forward`; the first calls compile). round_record: a `RoundRecord` to
+    compiled verify and drafting passes (`passes_d3d.compiled_passes`, kept on the target and the drafter with their
+    caches; the first calls compile, see docs/architecture.md "Compiled passes"). round_record: a `RoundRecord` to
     fill (also left in `drafter.generation_stats`). streamer: as generate passes it (it has put the prompt already);
     d3d_streamer: the same from a front door (`front_door_kwargs`: generate drops `streamer=` before calling a
     callable), which gets the prompt here.
@@ -99,11 +110,15 @@ def speculative_generate(
     max_new_tokens = generation_config.max_length - input_ids.shape[1]
     longest_prompt = max([len(p) for p in prompts] + [len(drafter_prompt or [])])
     source = make_source(drafter, asynchronous, coverage, fanout, drafter_device, worker_threads, compile)
-    max_length = longest_prompt + max_new_tokens
-    if compile and model.device.type == "cuda":  # fixed shapes attend over the whole cache: bucket its size so most
-        # calls reuse a compilation
-        max_length = -(-max_length // COMPILE_LENGTH_BUCKET) * COMPILE_LENGTH_BUCKET
-    engine = SpeculativeEngine(model, source, max_rows=batch, max_length=max_length, compile=compile)
+    rows, max_length = batch, longest_prompt + max_new_tokens
+    if compile:
+        rows, max_length = compiled_engine_size(batch, max_length, compiled_passes(model).fixed_shapes)
+    try:
+        engine = SpeculativeEngine(model, source, max_rows=rows, max_length=max_length, compile=compile)
+    except BaseException:
+        if source is not None:
+            source.close()
+        raise
     if round_record is not None:
         engine.record = round_record
     if drafter is not None:
@@ -146,4 +161,4 @@ def pad_outputs(input_ids: torch.LongTensor, generated: dict[int, list[int]], ge
     return torch.cat([input_ids, tail.to(input_ids.device)], dim=1)
 
 
-__all__ = ["make_source", "speculative_generate", "front_door_kwargs"]
+__all__ = ["COMPILE_LENGTH_BUCKET", "compiled_engine_size", "front_door_kwargs", "make_source", "speculative_generate"]

@@ -117,7 +117,7 @@ class D3DBlockDiffusionModel(D3DPreTrainedModel, GenerationMixin):
         past_key_values: DynamicCache | None,
         inputs_embeds: torch.FloatTensor | None,
         use_cache: bool | None,
-        logits_to_keep: int,
+        logits_to_keep: int | torch.Tensor,
         block_ids: torch.LongTensor | None,
         visible_prefix: torch.LongTensor | None,
         **kwargs,
@@ -128,7 +128,9 @@ class D3DBlockDiffusionModel(D3DPreTrainedModel, GenerationMixin):
             visible_prefix, **kwargs,
         )
         hidden_states = outputs.last_hidden_state
-        if logits_to_keep:
+        if isinstance(logits_to_keep, torch.Tensor):  # the input columns to keep `(n,)` (compiled passes)
+            hidden_states = hidden_states[:, logits_to_keep]
+        elif logits_to_keep:
             hidden_states = hidden_states[:, -logits_to_keep:]
         return CausalLMOutputWithPast(
             logits=self.lm_head(hidden_states),

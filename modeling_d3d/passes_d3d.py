@@ -5,12 +5,15 @@ and what it sees (`masking_d3d.interval_mask`); `run_pass` plans the cache, buil
 its `compiled_forward`); `prefill` commits a prompt to one slot.
 """
 
+import threading
+import types
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from .caches_d3d import StaticKVCache
+from .caches_d3d import CachePool, StaticKVCache
 from .masking_d3d import interval_mask
 from .streams_d3d import upload
 
@@ -71,6 +74,20 @@ class PassLayout:
         self.own_start[row, columns] = scratch
         self.own_end[row, columns] = scratch + 1
 
+    def padded(self, rows: int) -> "PassLayout":
+        """This layout with rows added up to `rows` (fixed shapes): each added row writes its input columns to the
+        same cache columns of its (unused) slot and sees only itself."""
+        extra, width = rows - self.ids.shape[0], self.ids.shape[1]
+        if extra <= 0:
+            return self
+        columns = torch.arange(width).expand(extra, width)
+        added = PassLayout(torch.zeros(extra, width, dtype=torch.long), columns, columns, torch.zeros_like(columns),
+                           columns, columns + 1)
+        return PassLayout(*(torch.cat([mine, theirs]) for mine, theirs in zip(self.fields(), added.fields())))
+
+    def fields(self) -> tuple[torch.Tensor, ...]:
+        return self.ids, self.positions, self.write_index, self.prefix_end, self.own_start, self.own_end
+
     def kv_length(self) -> int:
         """Columns the pass must attend over: every column it writes or a query sees."""
         return int(torch.maximum(self.write_index.max() + 1, self.prefix_end.max()))
@@ -81,49 +98,155 @@ def run_pass(model, cache: StaticKVCache, layout: PassLayout, logits_to_keep: in
              forward=None, tail: torch.Tensor | None = None, float32: bool = True) -> torch.Tensor:
     """One forward of `model` (a target or a drafter) over `layout` on cache rows `first_row..`; returns the logits of
     the last `logits_to_keep` input columns, `(rows, logits_to_keep, vocab)`, float32 (or the model's dtype with
-    `float32=False`, for callers that only rank them). `forward`: a compiled `model.forward` (`CompiledForward`) to
-    use instead; with fixed shapes it attends over every cache column (else, as eager passes, over the columns in use
-    only). tail: `(rows, n)` token ids already on a device (a verify pass's drafts), put in the last `n` input
-    columns on the device, so they never go through the host.
+    `float32=False`, for callers that only rank them). `forward`: a `CompiledForward` to use instead: it attends over
+    every cache column (eager passes: over the columns in use only), with fixed shapes over every slot too (the added
+    rows' logits are dropped), and its logits are a copy (a CUDA graph's outputs are overwritten by its next replay).
+    tail: `(rows, n)` token ids already on a device (a verify pass's drafts), put in the last `n` input columns on the
+    device, so they never go through the host.
 
     The layout goes to the device in one copy (`streams_d3d.upload`), queued without blocking the host."""
     device = cache.device
     rows = layout.ids.shape[0]
-    kv_length = cache.capacity if fixed_shapes(forward) else layout.kv_length()
+    if fixed_shapes(forward):
+        layout = layout.padded(cache.slots - first_row)
+    kv_length = cache.capacity if forward is not None else layout.kv_length()
     fields = upload(torch.stack([layout.ids, layout.positions, layout.write_index, layout.prefix_end,
                                  layout.own_start, layout.own_end]), device)
     ids, positions, write_index, prefix_end, own_start, own_end = fields.unbind(0)
     if tail is not None:
-        ids[:, ids.shape[1] - tail.shape[1]:] = tail.to(device, non_blocking=True)
-    cache.plan(rows, write_index, kv_length, first_row)
+        ids[:rows, ids.shape[1] - tail.shape[1]:] = tail.to(device, non_blocking=True)
+    cache.plan(ids.shape[0], write_index, kv_length, first_row)
     mask = interval_mask(model.config, prefix_end, own_start, own_end, kv_length, model.dtype)
+    keep = logits_to_keep
+    if forward is not None:  # the kept columns as a tensor: its length is a dynamic dimension, an int a guard
+        width = ids.shape[1]
+        keep = torch.arange(width - logits_to_keep, width, device=device)
     output = (forward or model)(
         input_ids=ids, position_ids=positions, attention_mask={"full_attention": mask}, past_key_values=cache,
-        use_cache=True, logits_to_keep=logits_to_keep,
+        use_cache=True, logits_to_keep=keep,
     )
-    return output.logits.float() if float32 else output.logits
+    logits = output.logits[:rows]
+    if float32:
+        return logits.to(torch.float32, copy=forward is not None)
+    return logits.clone() if forward is not None else logits
+
+
+PASS_KINDS = ("verify", "block", "successor")
+
+
+def _forward_of(model) -> Callable:
+    def pass_forward(**kwargs):
+        return model.forward(**kwargs)
+    return pass_forward
+
+
+def pass_function(model, kind: str) -> Callable:
+    """`model.forward` behind a function of its own: `pass_forward` with a copy of its code object, named after
+    `kind`. Dynamo keeps compiled code, guards and its recompile limit per code object, so each pass kind compiles,
+    is cached and (on CUDA) is captured on its own, never sharing a compiled graph with another kind or thread."""
+    function = _forward_of(model)
+    code = function.__code__.replace(co_name=f"d3d_{kind}_pass", co_qualname=f"d3d_{kind}_pass")
+    return types.FunctionType(code, function.__globals__, code.co_name, None, function.__closure__)
 
 
 @dataclass
 class CompiledForward:
-    """A compiled `model.forward`. With `fixed_shapes` (CUDA graphs, "reduce-overhead") every pass of a kind has one
-    shape: it attends over every cache column and drafting widths are padded to their largest round. Without
-    (inductor on CPUs), passes keep their eager shapes and the compiler marks the changing lengths dynamic after
-    the first change, so one compilation serves every length."""
+    """The forward of one pass kind (`PASS_KINDS`), compiled, called from one thread (CUDA-graph trees keep
+    per-thread state; `threads` records the callers, which tests check).
+
+    Every compiled pass attends over every cache column, so the only dimensions that change are rows, input width
+    and the cache's size, marked dynamic up front (`mark_dynamic_inputs`): one compilation serves them all (a
+    dimension of size 1 compiles once more: PyTorch specialises 0 and 1). With `fixed_shapes` (CUDA graphs,
+    "reduce-overhead") the shapes of a pass kind are fixed besides: rows padded to the cache's slots, drafting
+    widths to their largest round, slots and cache sizes bucketed by the caller (`generation_d3d`), so a CUDA graph
+    is recorded once per bucket and replayed."""
 
     function: Callable
     fixed_shapes: bool
+    kind: str = "verify"
+    threads: set[threading.Thread] = field(default_factory=set)  # the threads themselves: an ident may be reused
 
     def __call__(self, **kwargs):
+        self.threads.add(threading.current_thread())
+        mark_dynamic_inputs(kwargs)
         return self.function(**kwargs)
 
 
-def compiled_forward(model) -> CompiledForward:
-    """`model.forward` compiled: CUDA graphs with fixed shapes on CUDA, inductor with dynamic lengths elsewhere, its
-    wrapper code in C++ (`cpp_wrapper`: the kernels are the same, the per-call Python that launches them is gone)."""
-    if model.device.type == "cuda":
-        return CompiledForward(torch.compile(model.forward, mode="reduce-overhead", dynamic=False), True)
-    return CompiledForward(torch.compile(model.forward, options={"cpp_wrapper": True}), False)
+def mark_dynamic_inputs(kwargs: dict) -> None:
+    """Mark the dimensions a compiled pass changes dynamic before its first call (so no length, row count or cache
+    size compiles again): ids and positions `(rows, width)`, the mask `(rows, 1, width, capacity)`, the cache's
+    write index `(rows, width)`, the kept columns `(n,)` (the cache's buffers are marked when allocated,
+    `StaticKVCache`)."""
+    for name in ("input_ids", "position_ids"):
+        torch._dynamo.maybe_mark_dynamic(kwargs[name], [0, 1])
+    torch._dynamo.maybe_mark_dynamic(kwargs["attention_mask"]["full_attention"], [0, 2, 3])
+    torch._dynamo.maybe_mark_dynamic(kwargs["past_key_values"].write_index, [0, 1])
+    torch._dynamo.maybe_mark_dynamic(kwargs["logits_to_keep"], 0)
+
+
+def compiled_forward(model, kind: str = "verify", fixed: bool | None = None, compile: bool = True) -> CompiledForward:
+    """`model.forward` for pass `kind`, compiled: CUDA graphs ("reduce-overhead") with fixed shapes on CUDA,
+    inductor elsewhere with its wrapper code in C++ (`cpp_wrapper`: the kernels are the same, the per-call Python
+    that launches them is gone). fixed: fixed shapes (None: on CUDA); compile=False: the eager forward with the
+    compiled path's shapes (what CPU tests check the CUDA path's layouts with)."""
+    if kind not in PASS_KINDS:
+        raise RuntimeError(f"No pass kind {kind!r}; the kinds are {PASS_KINDS}")
+    cuda = model.device.type == "cuda"
+    fixed = cuda if fixed is None else fixed
+    function = pass_function(model, kind)
+    if compile:
+        options = {"mode": "reduce-overhead"} if cuda else {"options": {"cpp_wrapper": True}}
+        function = torch.compile(function, **options)
+    return CompiledForward(function, fixed, kind)
+
+
+class CompiledPasses:
+    """What a compiled model keeps across `generate` calls, so nothing compiles or records again: one
+    `CompiledForward` per pass kind and the caches its graphs captured (`CachePool`, keyed by slots and size).
+    Held by the model (`compiled_passes`); released with it or by `release_compiled_passes(model)`."""
+
+    def __init__(self, model, fixed: bool | None = None, compile: bool = True):
+        self.model, self.fixed, self.compile = model, fixed, compile
+        self.forwards: dict[str, CompiledForward] = {}
+        self.caches = CachePool()
+        self._worker: ThreadPoolExecutor | None = None
+
+    @property
+    def fixed_shapes(self) -> bool:
+        return self.model.device.type == "cuda" if self.fixed is None else self.fixed
+
+    def forward(self, kind: str) -> CompiledForward:
+        if kind not in self.forwards:
+            self.forwards[kind] = compiled_forward(self.model, kind, self.fixed, self.compile)
+        return self.forwards[kind]
+
+    def worker(self) -> ThreadPoolExecutor:
+        """The one thread background passes (the successor pass) run on, call after call (its thread exits when
+        these passes are released)."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3d-drafter")
+        return self._worker
+
+    def close(self) -> None:
+        """Let the worker thread end."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+
+
+def compiled_passes(model) -> CompiledPasses:
+    """The model's `CompiledPasses` (created on first use, kept on the model as `model.d3d_compiled_passes`)."""
+    passes = getattr(model, "d3d_compiled_passes", None)
+    if passes is None:
+        passes = CompiledPasses(model)
+        model.d3d_compiled_passes = passes
+    return passes
+
+
+def release_compiled_passes(model) -> None:
+    """Drop what `compiled_passes(model)` holds (its caches' memory, its compiled forwards)."""
+    passes = model.__dict__.pop("d3d_compiled_passes", None)
+    if passes is not None:
+        passes.close()
 
 
 def fixed_shapes(forward) -> bool:
@@ -140,4 +263,5 @@ def prefill(model, cache: StaticKVCache, slot: int, tokens: list[int]) -> None:
     cache.committed[slot] = len(tokens)
 
 
-__all__ = ["CompiledForward", "PassLayout", "compiled_forward", "fixed_shapes", "prefill", "run_pass"]
+__all__ = ["CompiledForward", "CompiledPasses", "PASS_KINDS", "PassLayout", "compiled_forward", "compiled_passes",
+           "fixed_shapes", "mark_dynamic_inputs", "pass_function", "prefill", "release_compiled_passes", "run_pass"]

@@ -25,7 +25,7 @@ from transformers import LogitsProcessorList
 
 from .caches_d3d import StaticKVCache
 from .drafting_d3d import block_pass, choose, context_free, plan_alternatives, process, successor_pass
-from .passes_d3d import prefill
+from .passes_d3d import CompiledPasses, prefill
 from .streams_d3d import Clock, Fence, current_stream, handoff, seconds, side_stream, upload, use_stream
 
 DEFAULT_COVERAGE = 12
@@ -164,14 +164,17 @@ def check_max_drafts(block_size: int, max_drafts: int | None) -> int:
 
 class BlockSource:
     """Synchronous block drafting: each round one block pass drafts `B - 1` tokens for every row, of which the
-    engine verifies the first `max_drafts` (default all; fewer: a smaller block than the drafter's trained one)."""
+    engine verifies the first `max_drafts` (default all; fewer: a smaller block than the drafter's trained one).
+    passes: the drafter's `passes_d3d.CompiledPasses` (compiled drafting passes, and the pool its cache comes from
+    and returns to on `close`); None: eager."""
 
     scratch_blocks = 2  # the block and the padding of a block pass, beyond a row's context
 
-    def __init__(self, drafter, forward=None, max_drafts: int | None = None):
+    def __init__(self, drafter, passes: CompiledPasses | None = None, max_drafts: int | None = None):
         if drafter.config.mask_token_id is None:
             raise ValueError("The drafter has no mask_token_id; it cannot draft blocks")
-        self.drafter, self.forward = drafter, forward
+        self.drafter, self.passes = drafter, passes
+        self.forward = passes.forward("block") if passes is not None else None
         self.block_size = drafter.config.block_size
         self.max_drafts = check_max_drafts(self.block_size, max_drafts)
         self.cache: StaticKVCache | None = None
@@ -188,7 +191,17 @@ class BlockSource:
     def allocate(self, slots: int, capacity: int) -> None:
         """A cache for `slots` rows of contexts up to `capacity` tokens (plus this source's scratch columns)."""
         columns = capacity + self.scratch_blocks * self.block_size
-        self.cache = StaticKVCache(self.drafter.config, slots, columns, self.device, self.drafter.dtype)
+        self.release_cache()
+        if self.passes is not None:
+            self.cache = self.passes.caches.take(self.drafter.config, slots, columns, self.device, self.drafter.dtype)
+        else:
+            self.cache = StaticKVCache(self.drafter.config, slots, columns, self.device, self.drafter.dtype)
+
+    def release_cache(self) -> None:
+        """Return the cache to the pool it came from (compiled passes), if any."""
+        if self.passes is not None and self.cache is not None:
+            self.passes.caches.put(self.cache)
+            self.cache = None
 
     def add(self, slot: int, context: list[int]) -> None:
         prefill(self.drafter, self.cache, slot, context[:-1])
@@ -223,7 +236,8 @@ class BlockSource:
         """Nothing runs in the background."""
 
     def close(self) -> None:
-        """Nothing to release."""
+        """Return the cache to its pool (compiled passes)."""
+        self.release_cache()
 
     def __enter__(self):
         return self
@@ -252,6 +266,8 @@ class SuccessorSource(BlockSource):
     positions times the `F` most probable other drafter tokens, plus the full-acceptance branch (budget
     `B((C - 1)F + 2)` tokens a row). device: where the drafter runs (e.g. `"cuda:1"` beside a target on `cuda:0`),
     checked, never moved to (`check_device`); on CUDA the worker uses its own stream. worker_threads: torch threads of the worker (CPU-only machines).
+    passes: compiled drafting passes (`BlockSource`); the successor pass has its own compiled forward, and runs on
+    the passes' long-lived worker thread, so each compiled function is only ever called from one thread.
 
     Each `propose` serves every row from its branches when the verified tokens match one (a hit: no drafting
     pass), drafts the others with one block pass, then queues the packed successor pass for the new drafts on the
@@ -259,7 +275,8 @@ class SuccessorSource(BlockSource):
     """
 
     def __init__(self, drafter, coverage: int | None = None, fanout: int = DEFAULT_FANOUT, device=None,
-                 worker_threads: int | None = None, forward=None, max_drafts: int | None = None):
+                 worker_threads: int | None = None, passes: CompiledPasses | None = None,
+                 max_drafts: int | None = None):
         block_size = drafter.config.block_size
         coverage = min(DEFAULT_COVERAGE, block_size) if coverage is None else coverage
         check_budget(block_size, coverage, fanout)
@@ -267,18 +284,20 @@ class SuccessorSource(BlockSource):
                                            or worker_threads < 1):
             raise ValueError(f"worker_threads must be an integer >= 1, got {worker_threads!r}")
         check_device(drafter, device)
-        super().__init__(drafter, forward, max_drafts)
+        super().__init__(drafter, passes, max_drafts)
         self.coverage, self.fanout = coverage, fanout
+        self.successor_forward = passes.forward("successor") if passes is not None else None
+        self.max_blocks = (coverage - 1) * fanout + 1  # the most branch blocks a row's successor pass plans
         self.budget_tokens = block_size * ((coverage - 1) * fanout + 2)
         self.scratch_blocks = (coverage - 1) * fanout + 4
         self.branches: list[PreparedBranches | Exception | None] = []  # an Exception: that row's worker step failed
         self._closed = False
         self._pending: Future | None = None
-        self._executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="d3d-drafter",
-            initializer=torch.set_num_threads if worker_threads else None,
-            initargs=(worker_threads,) if worker_threads else (),
-        )
+        self._owns_executor = passes is None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3d-drafter") if passes is None \
+            else passes.worker()
+        if worker_threads:
+            self._executor.submit(torch.set_num_threads, worker_threads).result()
         self._stream = side_stream(self.device)
         self._clock = Clock(self.device)
 
@@ -378,7 +397,7 @@ class SuccessorSource(BlockSource):
             anchors.append(row_anchors)
             keys.append(row_keys)
         raw = successor_pass(self.drafter, self.cache, contexts, self.cache.committed[:rows], draft_lists, anchors,
-                             self.forward)
+                             self.successor_forward, self.max_blocks)
         prepared = []
         for r in range(rows):
             try:
@@ -443,7 +462,9 @@ class SuccessorSource(BlockSource):
         try:
             self.wait()
         finally:
-            self._executor.shutdown(wait=True, cancel_futures=True)
+            if self._owns_executor:
+                self._executor.shutdown(wait=True, cancel_futures=True)
+            self.release_cache()
 
 
 __all__ = ["BlockSource", "DEFAULT_COVERAGE", "DEFAULT_FANOUT", "DraftTiming", "DrafterSource", "PreparedBranches",

@@ -1,0 +1,171 @@
+"""Compiled passes (`passes_d3d.CompiledPasses`) on a CPU: the CUDA path's fixed shapes run eagerly (token identity,
+each pass kind's shapes, one thread per compiled function, caches reused across calls), and one real compilation
+(inductor) showing that after the documented warm-up no prompt length or batch size compiles again."""
+
+import threading
+
+import pytest
+import torch
+
+from conftest import left_pad, tiny_target
+from modeling_d3d import D3DForBlockDiffusion, RoundRecord
+from modeling_d3d.generation_d3d import COMPILE_LENGTH_BUCKET, compiled_engine_size, speculative_generate
+from modeling_d3d.caches_d3d import StaticKVCache
+from modeling_d3d.drafting_d3d import successor_pass
+from modeling_d3d.passes_d3d import PASS_KINDS, CompiledPasses, compiled_passes, prefill, release_compiled_passes
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+VOCAB, BLOCK = 8, 4
+COVERAGE, FANOUT = BLOCK, 2  # C = B: a round whose drafts are fewer than C - 1 plans fewer blocks
+
+
+def pair(seed: int = 0):
+    target = tiny_target(seed, vocab_size=VOCAB)
+    drafter = D3DForBlockDiffusion.from_backbone(tiny_target(seed + 10, vocab_size=VOCAB), block_size=BLOCK).eval()
+    return target, drafter
+
+
+def prompts(lengths: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return left_pad([torch.randint(0, VOCAB, (n,), generator=generator) for n in lengths])
+
+
+def ragged_settings(target, ids, mask, max_new_tokens: int) -> dict:
+    """Greedy settings whose EOS (a token row 0 makes early) ends the rows at different rounds."""
+    plain = target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
+    eos = plain[0, ids.shape[1] + 2].item()
+    return dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+
+
+def decode(target, drafter, ids, mask, settings: dict, asynchronous: bool, record: RoundRecord | None = None):
+    return target.generate(ids, attention_mask=mask, custom_generate=speculative_generate, drafter=drafter,
+                           asynchronous=asynchronous, coverage=COVERAGE, fanout=FANOUT, compile=True,
+                           round_record=record, **settings)
+
+
+class ShapeLog:
+    """Wraps each forward of `CompiledPasses` to record `(kind, ids shape, mask shape)` per call."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, tuple, tuple]] = []
+
+    def watch(self, passes: CompiledPasses, *kinds: str) -> "ShapeLog":
+        for kind in kinds:
+            forward = passes.forward(kind)
+            forward.function = self.recording(kind, forward.function)
+        return self
+
+    def recording(self, kind, function):
+        def call(**kwargs):
+            mask = kwargs["attention_mask"]["full_attention"]
+            self.calls.append((kind, tuple(kwargs["input_ids"].shape), tuple(mask.shape)))
+            return function(**kwargs)
+        return call
+
+    def shapes(self, kind: str) -> set[tuple]:
+        return {(ids, mask) for k, ids, mask in self.calls if k == kind}
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_the_fixed_shape_path_eager_is_token_identical_and_its_shapes_change_only_by_bucket(asynchronous):
+    """The CUDA-graph path (fixed shapes: rows padded to a power-of-two slot count >= 2, the cache to a 256-column
+    bucket, drafting widths to their largest round, every cache column attended), forced on a CPU without
+    compiling: token-identical to the target's own `generate` on ragged batches of 3 and 1 rows and rows ending at
+    different rounds; within a call every pass kind has exactly one shape, set by the buckets; each forward is
+    called from one thread (the successor pass from the drafter's worker, the others from the caller); the second
+    call of the same buckets reuses the same caches."""
+    target, drafter = pair()
+    held = {model: CompiledPasses(model, fixed=True, compile=False) for model in (target, drafter)}
+    for model, passes in held.items():
+        model.d3d_compiled_passes = passes
+    kinds = ["verify", "block"] + (["successor"] if asynchronous else [])
+    try:
+        log = ShapeLog().watch(held[target], "verify").watch(held[drafter], "block", "successor")
+        buffers = {}
+        for lengths, seed, max_new in (([5, 11, 3], 0, 14), ([9], 1, 10), ([4, 7, 12], 2, 14)):
+            ids, mask = prompts(lengths, seed)
+            settings = ragged_settings(target, ids, mask, max_new)
+            record = RoundRecord()
+            log.calls.clear()
+            output = decode(target, drafter, ids, mask, settings, asynchronous, record)
+            assert torch.equal(output, target.generate(ids, attention_mask=mask, **settings)), lengths
+            if len(lengths) > 1:
+                finished = [i for i, (outcomes, _) in enumerate(record.history) for o in outcomes if o.finished]
+                assert len(set(finished)) > 1  # rows left the batch at different rounds
+            slots, length = compiled_engine_size(len(lengths), max(lengths) + max_new, True)
+            assert (slots, length) == (4 if len(lengths) == 3 else 2, COMPILE_LENGTH_BUCKET)
+            target_columns = length + BLOCK
+            drafter_columns = length + 1 + (2 if not asynchronous else (COVERAGE - 1) * FANOUT + 4) * BLOCK
+            expected = {"verify": {((slots, BLOCK), (slots, 1, BLOCK, target_columns))},
+                        "block": {((slots, 2 * BLOCK), (slots, 1, 2 * BLOCK, drafter_columns))}}
+            width = 2 * BLOCK + ((COVERAGE - 1) * FANOUT + 1) * BLOCK
+            expected["successor"] = {((slots, width), (slots, 1, width, drafter_columns))}
+            for kind in kinds:
+                assert log.shapes(kind) == expected[kind], kind
+            pooled = [c.keys[0].data_ptr() for caches in held[target].caches.free.values() for c in caches
+                      if c.slots == slots]
+            assert len(pooled) == 1
+            assert buffers.setdefault(slots, pooled[0]) == pooled[0]  # the same buckets: the same cache buffers
+        main = threading.current_thread()
+        assert not held[drafter].forwards["successor"].threads or asynchronous
+        for passes in held.values():
+            for kind, forward in passes.forwards.items():
+                if kind not in kinds:
+                    continue
+                assert len(forward.threads) == 1, kind
+                assert (forward.threads == {main}) == (kind != "successor"), kind
+    finally:
+        for model in held:
+            release_compiled_passes(model)
+
+
+def test_a_fixed_shape_successor_pass_has_one_width_whatever_the_drafts():
+    """Rounds with fewer drafts than `C - 1` plan fewer branch blocks; with fixed shapes the pass is padded to the
+    most blocks a round plans, `(C - 1) F + 1`, so it keeps one width (and its logits one shape)."""
+    _, drafter = pair()
+    passes = CompiledPasses(drafter, fixed=True, compile=False)
+    log = ShapeLog().watch(passes, "successor")
+    forward = passes.forward("successor")
+    most = (COVERAGE - 1) * FANOUT + 1
+    context = [1, 2, 3, 4, 5]
+    cache = StaticKVCache(drafter.config, 2, 128, "cpu", drafter.dtype)
+    logits_shapes = set()
+    for count in range(1, BLOCK):
+        prefill(drafter, cache, 0, context[:-1])
+        drafts = [6] * count
+        anchors = [(7, j) for j in range(min(COVERAGE - 1, count)) for _ in range(FANOUT)] + [(drafts[-1], count - 1)]
+        logits = successor_pass(drafter, cache, [context], [len(context) - 1], [drafts], [anchors], forward, most)
+        logits_shapes.add(tuple(logits.shape))
+    width = 2 * BLOCK + most * BLOCK
+    assert log.shapes("successor") == {((2, width), (2, 1, width, 128))}
+    assert logits_shapes == {(1, most, BLOCK - 1, VOCAB)}
+
+
+def test_after_the_warm_up_no_prompt_length_or_batch_size_compiles_again():
+    """`compile=True` (inductor on a CPU), asynchronous: after the documented warm-up (a call of one row and a call
+    of several), calls with new prompt lengths and another batch size compile nothing (the round record counts
+    compilations), stay token-identical to `generate`, and call each compiled function from one thread."""
+    torch._dynamo.reset()
+    target, drafter = pair(1)
+    try:
+        warm_up = [([6, 10], 0), ([8], 1)]
+        later = [([13, 5, 21], 2), ([30], 3), ([11, 40], 4)]
+        counts = []
+        for lengths, seed in warm_up + later:
+            ids, mask = prompts(lengths, seed)
+            settings = ragged_settings(target, ids, mask, 12)
+            record = RoundRecord()
+            output = decode(target, drafter, ids, mask, settings, True, record)
+            assert torch.equal(output, target.generate(ids, attention_mask=mask, **settings)), lengths
+            counts.append(record.compilations)
+        assert counts[0] > 0 and counts[len(warm_up):] == [0] * len(later), counts
+        main = threading.current_thread()
+        forwards = {**compiled_passes(target).forwards, **compiled_passes(drafter).forwards}
+        assert sorted(forwards) == sorted(PASS_KINDS)
+        threads = {kind: forward.threads for kind, forward in forwards.items()}
+        assert all(len(t) == 1 for t in threads.values()) and threads["successor"] != {main}, threads
+        assert threads["verify"] == threads["block"] == {main}, threads
+    finally:
+        release_compiled_passes(target)
+        release_compiled_passes(drafter)
