@@ -1,6 +1,7 @@
 """Loading what the commands take: models, tokenizers and prompt files."""
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -8,8 +9,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 def load_target(path: str, dtype: torch.dtype, device_map: str | None = None):
-    """A target causal LM in `dtype` (see `cli.dtype.choose_dtype`) and its tokenizer from a folder or Hub id."""
-    device_map = device_map or ("auto" if torch.cuda.is_available() else None)
+    """A target causal LM in `dtype` (see `cli.dtype.choose_dtype`) and its tokenizer from a folder or Hub id. On CUDA
+    it goes whole to this process's GPU (`LOCAL_RANK`, else 0): the engine refuses a target split over devices."""
+    device_map = device_map or (f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else None)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map).eval()
     return model, AutoTokenizer.from_pretrained(path)
 
