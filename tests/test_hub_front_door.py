@@ -8,7 +8,6 @@ import json
 from collections import Counter
 from pathlib import Path
 
-import torch
 
 from conftest import run_without_project, tiny_drafter, tiny_target, word_tokenizer
 from distribution import NEW_TOKENS, PROMPT, SAMPLES, SETTINGS, VOCAB, chi_square_p_value, exact_distribution
