@@ -11,9 +11,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .gpu_check_models import Context, Shapes, error_summary, forced_head, random_prompts, synchronize, worst
+from modeling_d3d.streams_d3d import synchronize
 
-BF16_TIE_TOLERANCE = 2 ** -5  # a bf16 divergence whose score gap is within this fraction of the top score: a near-tie
+from .gpu_check_models import Context, Shapes, error_summary, forced_head, random_prompts, worst
+from .identity import NEAR_TIE
+
+BF16_TIE_TOLERANCE = NEAR_TIE  # a bf16 divergence whose score gap is within this fraction of the top score: a near-tie
 
 MODES = {
     "sync": {},

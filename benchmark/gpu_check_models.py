@@ -110,11 +110,6 @@ def random_prompts(lengths: list[int], vocab: int, device, seed: int) -> tuple[t
     return ids.to(device), mask.to(device)
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def release_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():

@@ -14,7 +14,9 @@ from transformers import DynamicCache
 from modeling_d3d import speculative_generate
 
 from .gpu_check_identity import MODES
-from .gpu_check_models import PAPER_TAU, Context, Shapes, forced_head, random_prompts, release_memory, synchronize
+from modeling_d3d.streams_d3d import synchronize
+
+from .gpu_check_models import PAPER_TAU, Context, Shapes, forced_head, random_prompts, release_memory
 
 class PassClock:
     """Milliseconds of the work between `start()` and `stop()`: CUDA events on the current stream on CUDA (the host
