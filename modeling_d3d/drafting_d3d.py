@@ -62,6 +62,13 @@ def context_free(logits_processor: LogitsProcessorList | None) -> bool:
     return all(isinstance(processor, free) for processor in (logits_processor or []))
 
 
+def ends_row_only(error: BaseException) -> bool:
+    """Whether `error`, raised by a row's own code (its logits processors, stopping criteria), ends that row only:
+    any exception but a Ctrl-C (`KeyboardInterrupt`), which stops the whole call. A `BaseException` that is not an
+    `Exception` (a `SystemExit`, an `asyncio.CancelledError`, a class of the user's) is the row's failure too."""
+    return not isinstance(error, KeyboardInterrupt)
+
+
 def process(logits_processor: LogitsProcessorList | None, contexts: torch.Tensor | list, logits: torch.Tensor,
             growing: torch.Tensor | None = None) -> torch.Tensor:
     """Apply one row's processors to its logits `(n, vocab)`, position j with its own context: `contexts` (the row's

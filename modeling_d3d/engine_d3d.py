@@ -25,7 +25,7 @@ from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLeng
 
 from .acceptance_d3d import greedy_accept, rejection_sample
 from .caches_d3d import StaticKVCache
-from .drafting_d3d import process
+from .drafting_d3d import ends_row_only, process
 from .passes_d3d import CompiledPasses, PassLayout, compiled_passes, prefill, run_pass
 from .sources_d3d import DrafterSource, DraftTiming, RowSampling
 from .streams_d3d import Clock, seconds, synchronize
@@ -97,7 +97,7 @@ class RoundOutcome:
     finished: bool
     accepted_drafts: int = 0
     from_cache: bool = False
-    error: Exception | None = None
+    error: BaseException | None = None
 
 
 @dataclass
@@ -303,8 +303,8 @@ class SpeculativeEngine:
     @torch.no_grad()
     def step(self) -> list[RoundOutcome]:
         """One round for every row; finished and failed rows leave. An exception of a per-row step (its logits
-        processors, criteria) ends that row only, with the error in its outcome; an exception of a batched pass
-        propagates (call `reset` before going on)."""
+        processors, criteria; any but a Ctrl-C, see `drafting_d3d.ends_row_only`) ends that row only, with the error
+        in its outcome; an exception of a batched pass propagates (call `reset` before going on)."""
         if not self.rows:
             return []
         start = self.clock.mark()
@@ -344,7 +344,7 @@ class SpeculativeEngine:
         once, then cut every row at its stop; commit what each row keeps. Returns the outcomes (a failed row's
         accepted drafts: 0)."""
         rows = len(self.rows)
-        failed: dict[int, Exception] = dict(proposal.errors) if proposal is not None else {}
+        failed: dict[int, BaseException] = dict(proposal.errors) if proposal is not None else {}
         if proposal is not None:
             drafts, num_drafts = proposal.drafts.to(self.device), proposal.num_drafts.to(self.device)
         else:
@@ -355,7 +355,9 @@ class SpeculativeEngine:
             for r, row in enumerate(self.rows):
                 try:
                     processed.append(process(row.settings.logits_processor, row.tokens, logits[r], drafts[r]))
-                except Exception as error:  # this row's processing failed: it leaves, the others go on
+                except BaseException as error:  # this row's processing failed: it leaves, the others go on
+                    if not ends_row_only(error):
+                        raise
                     failed[r] = error
                     processed.append(logits[r])
             logits = torch.stack(processed)
@@ -376,7 +378,9 @@ class SpeculativeEngine:
             accepted = host[r][0]
             try:
                 added, finished = self._stop(row, host[r][1 : accepted + 2], logits[r])
-            except Exception as error:
+            except BaseException as error:  # this row's criteria failed: it leaves, the others go on
+                if not ends_row_only(error):
+                    raise
                 outcomes.append(RoundOutcome(row.key, [], True, error=error))
                 continue
             row.generated += added

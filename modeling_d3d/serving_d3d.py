@@ -287,7 +287,7 @@ class D3DBatchServer:
         for outcome in outcomes:
             handle = self._queues.active[outcome.key]
             if outcome.error is not None:
-                handle._fail(outcome.error)
+                handle._fail(_as_request_error(outcome.error))
             else:
                 handle._deliver(outcome.added, outcome.finished)
             if outcome.finished:

@@ -24,7 +24,8 @@ import torch
 from transformers import LogitsProcessorList
 
 from .caches_d3d import StaticKVCache
-from .drafting_d3d import block_pass, choose, context_free, plan_alternatives, process, successor_pass
+from .drafting_d3d import (block_pass, choose, context_free, ends_row_only, plan_alternatives, process,
+                            successor_pass)
 from .passes_d3d import CompiledPasses, prefill
 from .streams_d3d import Clock, Fence, current_stream, handoff, seconds, side_stream, upload, use_stream
 
@@ -73,7 +74,7 @@ class Proposal:
     looked_up: list[bool]
     hits: list[bool]
     exposed_seconds: float = 0.0
-    errors: dict[int, Exception] = field(default_factory=dict)
+    errors: dict[int, BaseException] = field(default_factory=dict)
 
 
 class DraftTiming(NamedTuple):
@@ -118,7 +119,7 @@ class DrafterSource(Protocol):
 
 
 def drafts_from_logits(raw: torch.Tensor, contexts: list[list[int]], sampling: list[RowSampling],
-                       errors: dict[int, Exception] | None = None):
+                       errors: dict[int, BaseException] | None = None):
     """Per row: its processors over raw block logits `(rows, m, vocab)` (context: its tokens), then argmax or a draw.
     Returns drafts `(rows, m)` and the processed logits `(rows, m, vocab)` (the raw ones when no row has
     processors). With `errors`, a row whose processing fails is drafted from its raw logits and its exception is
@@ -132,8 +133,8 @@ def drafts_from_logits(raw: torch.Tensor, contexts: list[list[int]], sampling: l
         try:
             logits = process(s.logits_processor, context, raw[r])
             tokens = choose(logits, s.do_sample, s.generator)
-        except Exception as error:
-            if errors is None:
+        except BaseException as error:
+            if errors is None or not ends_row_only(error):
                 raise
             errors[r] = error
             logits, tokens = raw[r], raw[r].argmax(-1)
@@ -211,7 +212,7 @@ class BlockSource:
 
     def propose(self, contexts: list[list[int]], sampling: list[RowSampling]) -> Proposal:
         start = time.perf_counter()
-        errors: dict[int, Exception] = {}
+        errors: dict[int, BaseException] = {}
         drafts, logits = self._draft_all(contexts, sampling, errors)
         rows = len(contexts)
         return Proposal(drafts, torch.full((rows,), self.max_drafts, device=drafts.device),
@@ -219,7 +220,7 @@ class BlockSource:
                         time.perf_counter() - start, errors=errors)
 
     def _draft_all(self, contexts: list[list[int]], sampling: list[RowSampling],
-                   errors: dict[int, Exception] | None = None):
+                   errors: dict[int, BaseException] | None = None):
         """One block pass for every row: drafts `(rows, B - 1)` and their processed logits (see
         `drafts_from_logits` for `errors`)."""
         raw = block_pass(self.drafter, self.cache, contexts, self.cache.committed[: len(contexts)], self.forward)
@@ -290,7 +291,7 @@ class SuccessorSource(BlockSource):
         self.max_blocks = (coverage - 1) * fanout + 1  # the most branch blocks a row's successor pass plans
         self.budget_tokens = block_size * ((coverage - 1) * fanout + 2)
         self.scratch_blocks = (coverage - 1) * fanout + 4
-        self.branches: list[PreparedBranches | Exception | None] = []  # an Exception: that row's worker step failed
+        self.branches: list[PreparedBranches | BaseException | None] = []  # an exception: that row's worker step failed
         self._closed = False
         self._pending: Future | None = None
         self._owns_executor = passes is None
@@ -322,7 +323,7 @@ class SuccessorSource(BlockSource):
         start = time.perf_counter()
         self.wait()
         rows, width, sampled = len(contexts), self.block_size - 1, any(s.do_sample for s in sampling)
-        errors = {r: self.branches[r] for r in range(rows) if isinstance(self.branches[r], Exception)}
+        errors = {r: self.branches[r] for r in range(rows) if isinstance(self.branches[r], BaseException)}
         looked_up = [isinstance(self.branches[r], PreparedBranches) for r in range(rows)]
         found = [self._lookup(r, contexts[r]) for r in range(rows)]
         if all(index is not None for index in found):
@@ -402,7 +403,9 @@ class SuccessorSource(BlockSource):
         for r in range(rows):
             try:
                 prepared.append(self._row_branches(contexts[r], draft_lists[r], anchors[r], keys[r], raw[r], sampling[r]))
-            except Exception as error:  # this row's processors failed: it ends next round, the others go on
+            except BaseException as error:  # this row's processors failed: it ends next round, the others go on
+                if not ends_row_only(error):
+                    raise
                 prepared.append(error)
         return prepared
 

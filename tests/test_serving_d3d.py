@@ -270,6 +270,13 @@ class InterruptsAfter(LogitsProcessor):
         return scores
 
 
+class CtrlC(LogitsProcessor):
+    """Raises `KeyboardInterrupt`, which ends the whole round, not the row (`drafting_d3d.ends_row_only`)."""
+
+    def __call__(self, input_ids, scores):
+        raise KeyboardInterrupt
+
+
 class InterruptingCriterion(StoppingCriteria):
     def __call__(self, input_ids, scores, **kwargs):
         raise Interrupt("from a criterion")
@@ -278,21 +285,24 @@ class InterruptingCriterion(StoppingCriteria):
 @pytest.mark.parametrize("asynchronous", [False, True])
 @pytest.mark.parametrize("failing", ["processor", "criterion"])
 def test_a_base_exception_in_a_request_fails_it_and_the_server_goes_on(models, asynchronous, failing):
-    """A `BaseException` that is not an `Exception` fails its request (with a `RuntimeError` naming it, never a
-    wait without end) and the scheduler goes on with the requests waiting behind it and new ones."""
+    """A `BaseException` that is not an `Exception` fails its request only (with a `RuntimeError` naming it, never a
+    wait without end): the request sharing its round finishes as decoded alone, and the scheduler goes on with the
+    requests waiting behind it and new ones."""
     target, drafter = models
-    requests = prompts(3, seed=12)
+    requests = prompts(4, seed=12)
     bad = {"logits_processor": [InterruptsAfter(3)]} if failing == "processor" else {
         "stopping_criteria": StoppingCriteriaList([InterruptingCriterion()])}
-    with D3DBatchServer(target, drafter, max_batch_size=1, asynchronous=asynchronous) as server:
+    with D3DBatchServer(target, drafter, max_batch_size=2, asynchronous=asynchronous) as server:
         with server._condition:
             failed = server.submit(requests[0], max_new_tokens=20, **bad)
+            companion = server.submit(requests[3], max_new_tokens=24)
             waiting = server.submit(requests[1], max_new_tokens=12)
         with pytest.raises(RuntimeError, match="Interrupt") as raised:
             failed.result(timeout=WAIT)
         assert isinstance(raised.value.__cause__, Interrupt)
         with pytest.raises(RuntimeError, match="Interrupt"):
             list(failed.stream(timeout=WAIT))
+        assert companion.result(timeout=WAIT) == alone(target, requests[3], 24)
         assert waiting.result(timeout=WAIT) == alone(target, requests[1], 12)
         assert server.submit(requests[2], max_new_tokens=12).result(timeout=WAIT) == alone(target, requests[2], 12)
         assert server._thread.is_alive()
@@ -310,7 +320,7 @@ def test_a_scheduler_that_stops_ends_every_request_and_refuses_new_ones(models, 
 
         monkeypatch.setattr(server.engine, "reset", broken_reset)
         with server._condition:
-            failing = server.submit([1, 2, 3], max_new_tokens=20, logits_processor=[InterruptsAfter(1)])
+            failing = server.submit([1, 2, 3], max_new_tokens=20, logits_processor=[CtrlC()])
             waiting = server.submit([4, 5], max_new_tokens=20)
         for handle in (failing, waiting):
             with pytest.raises(RuntimeError, match="scheduler stopped: Interrupt"):
