@@ -11,12 +11,14 @@ import gradio as gr
 import torch
 
 if __package__:
-    from .decoding import MAX_FANOUT, MAX_NEW_TOKENS, MAX_TEMPERATURE, Settings, compare_live, prepare_request, whole_number
+    from .decoding import (MAX_FANOUT, MAX_NEW_TOKENS, MAX_TEMPERATURE, Settings, compare_live, default_settings,
+                           prepare_request, warm_up, whole_number)
     from .loading import DEFAULT_QUEUE_SIZE, add_arguments, devices, load_models, model_sources
     from .prefill_view import prefill_preview
     from .render import TOKENS_CSS, legend_html, rounds_svg, stats_html, tokens_html
 else:  # beside its modules as the root of a Space
-    from decoding import MAX_FANOUT, MAX_NEW_TOKENS, MAX_TEMPERATURE, Settings, compare_live, prepare_request, whole_number
+    from decoding import (MAX_FANOUT, MAX_NEW_TOKENS, MAX_TEMPERATURE, Settings, compare_live, default_settings,
+                          prepare_request, warm_up, whole_number)
     from loading import DEFAULT_QUEUE_SIZE, add_arguments, devices, load_models, model_sources
     from prefill_view import prefill_preview
     from render import TOKENS_CSS, legend_html, rounds_svg, stats_html, tokens_html
@@ -43,6 +45,7 @@ def build_demo(
     its own asynchronous generator; they share the weights and the hardware); `queue_size`: requests waiting at most
     (beyond it Gradio answers that the queue is full)."""
     trained_block_size = drafter.config.block_size
+    defaults = default_settings(trained_block_size)
 
     def generate(prompt, block_size, coverage, fanout, temperature, max_new_tokens):
         try:
@@ -68,18 +71,18 @@ def build_demo(
         with gr.Accordion("Settings", open=True):
             with gr.Row():
                 block_size = gr.Slider(
-                    2, trained_block_size, value=trained_block_size, step=1, precision=0, label="block size b",
+                    2, trained_block_size, value=defaults.block_size, step=1, precision=0, label="block size b",
                     info=f"drafts b - 1 tokens a round; the drafter was trained with B = {trained_block_size}. "
                     "Below B the target verifies only the first b - 1 drafts of each block.",
                 )
                 coverage = gr.Slider(
-                    1, trained_block_size, value=min(12, trained_block_size), step=1, precision=0, label="coverage C",
+                    1, trained_block_size, value=defaults.coverage, step=1, precision=0, label="coverage C",
                     info="successor branches for the first C - 1 rejection positions",
                 )
-                fanout = gr.Slider(0, MAX_FANOUT, value=2, step=1, precision=0, label="fanout F", info="alternative anchors per position")
+                fanout = gr.Slider(0, MAX_FANOUT, value=defaults.fanout, step=1, precision=0, label="fanout F", info="alternative anchors per position")
             with gr.Row():
-                temperature = gr.Slider(0, MAX_TEMPERATURE, value=0, step=0.05, label="temperature", info="0 is greedy")
-                max_new_tokens = gr.Slider(1, MAX_NEW_TOKENS, value=128, step=1, precision=0, label="max new tokens")
+                temperature = gr.Slider(0, MAX_TEMPERATURE, value=defaults.temperature, step=0.05, label="temperature", info="0 is greedy")
+                max_new_tokens = gr.Slider(1, MAX_NEW_TOKENS, value=defaults.max_new_tokens, step=1, precision=0, label="max new tokens")
         gr.HTML(legend_html())
         with gr.Row():
             with gr.Column():
@@ -123,11 +126,12 @@ def build_demo(
 
 
 def serve(args: argparse.Namespace, dtype: torch.dtype | None = None) -> None:
-    """Load the models named by `args` (or the environment, or the quickstart folder) in `dtype` (see `load_models`)
-    and serve the page."""
+    """Load the models named by `args` (or the environment, or the quickstart folder) in `dtype` (see `load_models`),
+    warm them up on the opening example (`decoding.warm_up`) and serve the page."""
     target_source, drafter_source = model_sources(args)
     target_device, drafter_device = devices(args)
     target, drafter, tokenizer = load_models(target_source, drafter_source, target_device, drafter_device, dtype)
+    warm_up(target, drafter, tokenizer, next(iter(EXAMPLES.values())))
     demo = build_demo(target, drafter, tokenizer, concurrency_limit=args.concurrency, queue_size=args.queue_size)
     demo.launch(server_name=args.host, server_port=args.port)
 

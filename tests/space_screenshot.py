@@ -18,7 +18,8 @@ from selenium import webdriver
 sys.path[:0] = [str(Path(__file__).parents[1]), str(Path(__file__).parent)]  # the project and its test helpers
 from space_helpers import served  # noqa: E402
 
-from space_app.app import build_demo  # noqa: E402
+from space_app.app import EXAMPLES, build_demo  # noqa: E402
+from space_app.decoding import warm_up  # noqa: E402
 from space_app.loading import load_models  # noqa: E402
 
 WIDTH = 1200
@@ -37,6 +38,7 @@ def wait_until(condition, timeout: float, what: str) -> None:
 
 def screenshot(target: str, drafter: str, output: Path, timeout: float = 600) -> None:
     models = load_models(target, drafter, dtype=torch.float32)
+    warm_up(*models, next(iter(EXAMPLES.values())))  # as `serve` does
     options = webdriver.ChromeOptions()
     options.binary_location = "/usr/bin/chromium"
     with tempfile.TemporaryDirectory() as profile:

@@ -11,8 +11,8 @@ from transformers import PreTrainedTokenizerFast
 from cli.main import build_parser
 from conftest import run_without_project
 from space_app.decoding import (
-    CACHE, DRAFT, TARGET, Detokenizer, Settings, check_settings, compare_live, decode_live, encode_prompt,
-    engine_modules, prepare_request, token_kinds,
+    CACHE, DRAFT, TARGET, Detokenizer, Settings, check_settings, compare_live, decode_live, default_settings,
+    encode_prompt, engine_modules, prepare_request, token_kinds, warm_up,
 )
 from modeling_d3d.prefill_d3d import PromptSelection, chunk_spans
 from space_app.loading import DEFAULT_DRAFTER, DEFAULT_QUEUE_SIZE, DEFAULT_TARGET, model_sources
@@ -87,6 +87,21 @@ def test_compare_live_streams_the_target_alone_then_d3d_and_both_equal_greedy(sp
     assert (alone, d3d) == (len(reference), len(reference))
     assert any(d is None and 0 < a < len(reference) for a, d in updates), "the target alone streams token by token"
     assert any(d is not None and 0 < d < len(reference) for _, d in updates), "D3D streams round by round"
+
+
+def test_the_warm_up_decodes_both_columns_at_the_page_defaults(space_models):
+    """`serve` decodes the opening example both ways before the first visitor, at the settings the page opens with
+    (the sliders' values), so that one-time costs do not fall on the target alone, decoded first."""
+    target, drafter, tokenizer = space_models
+    alone, d3d = warm_up(target, drafter, tokenizer, PROMPT)
+    _, expected = greedy_text(target, tokenizer, PROMPT, 2 * BLOCK_SIZE)
+    assert alone.done and d3d.done and alone.text == d3d.text == expected
+    assert d3d.tau > 1, "D3D drafted during the warm-up"
+    defaults = default_settings(BLOCK_SIZE)
+    sliders = {c["props"].get("label"): c["props"]["value"] for c in build_demo(*space_models).config["components"]
+               if c.get("type") == "slider"}
+    assert (sliders["block size b"], sliders["coverage C"], sliders["fanout F"], sliders["temperature"]) == (
+        defaults.block_size, defaults.coverage, defaults.fanout, defaults.temperature)
 
 
 def test_an_error_while_generating_reaches_the_consumer(space_models):
