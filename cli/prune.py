@@ -8,7 +8,7 @@ import torch
 from modeling_d3d import D3DForBlockDiffusion
 from trainer.data import load_responses
 from trainer.provenance import record_pruning
-from trainer.pruning import prune
+from trainer.pruning import MAX_NEW_TOKENS, MIN_TAU_FRACTION, prune
 
 from . import dtype
 from .inputs import model_source, positive_int
@@ -24,9 +24,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", required=True, help="stages, report and the chosen drafter/")
     parser.add_argument("--dev-size", type=positive_int, default=512, help="prompts in each of the two disjoint dev sets")
     parser.add_argument("--min-layers", type=positive_int, default=1)
-    parser.add_argument("--min-tau-fraction", type=float, default=0.95)
+    parser.add_argument("--min-tau-fraction", type=float, default=MIN_TAU_FRACTION,
+                        help="stop once τ falls below this fraction of the unpruned drafter's")
     parser.add_argument("--recovery-steps", type=positive_int, default=10_000)
-    parser.add_argument("--max-new-tokens", type=positive_int, default=128)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=MAX_NEW_TOKENS,
+                        help="tokens decoded per dev prompt to measure τ and speedup")
     add_recipe_arguments(parser)
 
 

@@ -9,6 +9,7 @@ import torch
 
 from modeling_d3d import D3DForBlockDiffusion
 from trainer.d3d_trainer import D3DTrainer, D3DTrainingArguments
+from trainer.losses import DFLASH_GAMMA
 from trainer.data import load_responses
 from trainer.provenance import DrafterProvenance
 
@@ -38,7 +39,8 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-batch-size", type=positive_int, default=16)
     parser.add_argument("--per-device-batch-size", type=positive_int, default=1)
     parser.add_argument("--num-anchors", type=positive_int, default=128, help="K: diffusion blocks per example")
-    parser.add_argument("--gamma", type=float, default=7.0, help="position-weight decay (DFlash's value for B=16)")
+    parser.add_argument("--gamma", type=float, default=DFLASH_GAMMA,
+                        help="position-weight decay (default: DFlash's value for B=16)")
     parser.add_argument("--ar-weight", type=float, default=1.0, help="lambda: weight of the AR loss")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gradient-checkpointing", action="store_true",

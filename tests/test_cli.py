@@ -164,3 +164,21 @@ def test_bad_input_is_one_line_and_exit_2_before_any_model_loads(broken, capsys,
     assert error.splitlines() == [error.strip()] and "Traceback" not in error, error
     assert error.startswith(f"d3d {arguments.split()[0]}: error: ") and message in error, error
     assert not loads
+
+
+def test_the_cli_defaults_are_the_library_defaults(tmp_path):
+    """A setting's default has one owner: `d3d train` / `d3d prune` without the option run as the library does."""
+    import inspect
+
+    from cli.main import build_parser
+    from trainer.d3d_trainer import D3DTrainingArguments
+    from trainer.pruning import prune
+
+    folder = str(tmp_path)
+    parser = build_parser()
+    trained = parser.parse_args(["train", "--target", folder, "--data", folder, "--output", folder])
+    pruned = parser.parse_args(["prune", "--target", folder, "--drafter", folder, "--data", folder, "--output", folder])
+    library = inspect.signature(prune).parameters
+    assert trained.gamma == D3DTrainingArguments.__dataclass_fields__["gamma"].default
+    assert (pruned.min_tau_fraction, pruned.max_new_tokens) == (
+        library["min_tau_fraction"].default, library["max_new_tokens"].default)

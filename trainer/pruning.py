@@ -20,6 +20,9 @@ from modeling_d3d.generation_d3d import speculative_generate
 
 from .d3d_trainer import D3DTrainer, D3DTrainingArguments
 
+MIN_TAU_FRACTION = 0.95  # stop pruning once τ falls below this fraction of the unpruned drafter's
+MAX_NEW_TOKENS = 128  # tokens decoded per dev prompt when τ and speedup are measured
+
 
 @dataclass
 class PruningStage:
@@ -63,8 +66,8 @@ def prune(
     output_dir: str | Path,
     recovery_args: D3DTrainingArguments,
     min_layers: int = 1,
-    min_tau_fraction: float = 0.9,
-    max_new_tokens: int = 64,
+    min_tau_fraction: float = MIN_TAU_FRACTION,
+    max_new_tokens: int = MAX_NEW_TOKENS,
 ) -> list[PruningStage]:
     """Prune `drafter` layer by layer; writes `stage-<depth>/`, `drafter/` (the chosen one) and the report."""
     output = Path(output_dir)
