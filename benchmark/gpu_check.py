@@ -197,7 +197,8 @@ def run_checks(checks: list[Check], shapes: Shapes, device: torch.device, folder
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter  # keep the docstring's list of checks
-    parser.add_argument("--output", default="gpu-check", help="folder for gpu_check.json and gpu_check.md (with --vllm: gpu_check_vllm.json and .md)")
+    parser.add_argument("--output", default="gpu-check",
+                        help="folder for gpu_check.json and gpu_check.md (with --vllm: gpu_check_vllm.json and .md)")
     parser.add_argument("--smoke", action="store_true",
                         help="only the environment and float32 identity checks, with tiny shapes (runs on a CPU; with "
                              "--vllm: every vLLM check, tiny float32 models)")
