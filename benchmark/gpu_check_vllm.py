@@ -264,10 +264,11 @@ CHECKS = [Check("vllm-models", models_check, min_seconds=60), Check("vllm-alone"
           Check("vllm-drafts", drafts_check, min_seconds=10)]
 
 
-def run(output: Path, smoke: bool, budget_s: float, vllm_python: str) -> int:
-    """The checks within `budget_s` seconds with `vllm_python`'s vLLM, reported in `output`; 0 when none failed or
-    errored, else 1. The caller refuses a machine without CUDA unless `smoke`."""
+def run(output: Path, smoke: bool, budget_s: float, vllm_python: str, eager: bool = False) -> int:
+    """The checks within `budget_s` seconds with `vllm_python`'s vLLM (`eager`: no CUDA graphs), reported in
+    `output`; 0 when none failed or errored, else 1. The caller refuses a machine without CUDA unless `smoke`."""
     shapes, sizes = SMOKE if smoke else (SHAPES, VllmSizes())
+    sizes = replace(sizes, enforce_eager=sizes.enforce_eager or eager)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     with tempfile.TemporaryDirectory(prefix="d3d-gpu-check-vllm-") as scratch:
         setups = {"vllm_python": vllm_python, "sizes": sizes, "folder": Path(scratch), "log_dir": output / "vllm-logs"}

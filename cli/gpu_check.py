@@ -19,13 +19,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the vLLM checks instead: vLLM alone against vLLM + D3D at 1, 4 and 16 requests, "
                              "exactness, the attention backend, the non-causal block pass (with --smoke: tiny models "
                              "on a CPU)")
+    parser.add_argument("--vllm-eager", action="store_true",
+                        help="with --vllm: vLLM without CUDA graphs or compilation (its --enforce-eager)")
     vllm_env.add_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     if not args.vllm:
-        if args.vllm_python is not None:
-            raise ValueError("--vllm-python goes with --vllm")
+        if args.vllm_python is not None or args.vllm_eager:
+            raise ValueError(f"{'--vllm-python' if args.vllm_python is not None else '--vllm-eager'} goes with --vllm")
         return gpu_check.run(args)
     given = [f"--{name.replace('_', '-')}" for name in ("only", *gpu_check.SIZE_OPTIONS) if getattr(args, name)]
     if given:
@@ -36,4 +38,5 @@ def run(args: argparse.Namespace) -> int:
     from benchmark import gpu_check_vllm
 
     budget_s = gpu_check.budget_seconds(args.budget_s, gpu_check_vllm.BUDGET_S)
-    return gpu_check_vllm.run(Path(args.output), args.smoke, budget_s, vllm_env.vllm_python(args.vllm_python))
+    return gpu_check_vllm.run(Path(args.output), args.smoke, budget_s, vllm_env.vllm_python(args.vllm_python),
+                              args.vllm_eager)

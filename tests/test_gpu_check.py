@@ -91,6 +91,7 @@ def test_vllm_checks_without_cuda_or_without_vllm_one_line_and_exit_2(tmp_path, 
         ("--vllm", "--smoke", "--only", "environment", "--prefix", "8"):
             "--only, --prefix: not options of the vLLM checks (--vllm)",
         ("--vllm-python", sys.executable): "--vllm-python goes with --vllm",
+        ("--vllm-eager",): "--vllm-eager goes with --vllm",
         ("--vllm", "--smoke", "--budget-s", "0"): "--budget-s must be positive, got 0.0",
     }
     for args, message in refusals.items():
