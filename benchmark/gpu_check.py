@@ -16,6 +16,8 @@ Checks, in the order they run (see docs/gpu-check.md for what each one means):
   counted from PyTorch's own counters and logs.
 
 `--smoke` runs the environment and float32 identity checks with tiny shapes (a CPU is enough; a test runs it).
+`--vllm` runs the vLLM checks instead (`benchmark.gpu_check_vllm`: vLLM alone against vLLM + D3D, in the vLLM
+environment named by `--vllm-python`), reported in `OUTPUT/gpu_check_vllm.json` and `.md`.
 """
 
 import argparse
@@ -122,7 +124,7 @@ SMOKE_CHECKS = ("environment", "identity-float32-sync", "identity-float32-async"
 
 
 def markdown(results: list[CheckResult], header: dict) -> str:
-    lines = [f"# d3d gpu-check ({header['started']}, {header['device']}{', smoke' if header['smoke'] else ''})", "",
+    lines = [f"# {header['title']} ({header['started']}, {header['device']}{', smoke' if header['smoke'] else ''})", "",
              "| check | status | seconds | summary |", "|---|---|---|---|"]
     for result in results:
         text = result.error or result.summary
@@ -131,11 +133,11 @@ def markdown(results: list[CheckResult], header: dict) -> str:
 
 
 class Report:
-    """The results so far, rewritten to `gpu_check.json` and `gpu_check.md` after every check (thread-safe: the
-    watchdog may write the last state)."""
+    """The results so far, rewritten to `NAME.json` and `NAME.md` after every check (thread-safe: the watchdog may
+    write the last state)."""
 
-    def __init__(self, folder: Path, header: dict):
-        self.folder, self.header = folder, header
+    def __init__(self, folder: Path, header: dict, name: str = "gpu_check"):
+        self.folder, self.header, self.name = folder, header, name
         self.results: list[CheckResult] = []
         self.running: str | None = None
         self._lock = threading.Lock()
@@ -157,22 +159,24 @@ class Report:
     def _write(self, results: list[CheckResult]) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         payload = {**self.header, "checks": [asdict(r) for r in results]}
-        (self.folder / "gpu_check.json").write_text(json.dumps(payload, indent=2, default=str))
-        (self.folder / "gpu_check.md").write_text(markdown(results, self.header))
+        (self.folder / f"{self.name}.json").write_text(json.dumps(payload, indent=2, default=str))
+        (self.folder / f"{self.name}.md").write_text(markdown(results, self.header))
 
 
 def run_checks(checks: list[Check], shapes: Shapes, device: torch.device, folder: Path, budget_s: float,
-               smoke: bool) -> list[CheckResult]:
-    """Run `checks` in order within `budget_s` seconds; a watchdog ends the process (results written) if a running
-    check overruns the budget by a minute."""
-    header = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "device": str(device), "smoke": smoke,
-              "budget_s": budget_s}
-    report = Report(folder, header)
-    context = Context(shapes, device, ModelCache(shapes, device), time.monotonic() + budget_s)
+               smoke: bool, name: str = "gpu_check", title: str = "d3d gpu-check",
+               setups: dict | None = None) -> list[CheckResult]:
+    """Run `checks` in order within `budget_s` seconds, reporting to `folder/NAME.json` and `.md` under `title`;
+    `setups`: what the checks share from the start (`Context.setups`). A watchdog ends the process (results
+    written) if a running check overruns the budget by a minute."""
+    header = {"title": title, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "device": str(device),
+              "smoke": smoke, "budget_s": budget_s}
+    report = Report(folder, header, name)
+    context = Context(shapes, device, ModelCache(shapes, device), time.monotonic() + budget_s, dict(setups or {}))
 
     def overrun():
         report.write_timed_out(budget_s)
-        print(f"gpu-check: over the {budget_s:.0f} s budget; results so far in {folder}", flush=True)
+        print(f"{title}: over the {budget_s:.0f} s budget; results so far in {folder}", flush=True)
         os._exit(1)
 
     watchdog = threading.Timer(budget_s + 60, overrun)
@@ -193,11 +197,14 @@ def run_checks(checks: list[Check], shapes: Shapes, device: torch.device, folder
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter  # keep the docstring's list of checks
-    parser.add_argument("--output", default="gpu-check", help="folder for gpu_check.json and gpu_check.md")
+    parser.add_argument("--output", default="gpu-check",
+                        help="folder for gpu_check.json and gpu_check.md (with --vllm: gpu_check_vllm.json and .md)")
     parser.add_argument("--smoke", action="store_true",
-                        help="only the environment and float32 identity checks, with tiny shapes (runs on a CPU)")
-    parser.add_argument("--budget-s", type=float, default=420.0,
-                        help="seconds for all checks; a check that would start with less than it needs is skipped")
+                        help="only the environment and float32 identity checks, with tiny shapes (runs on a CPU; with "
+                             "--vllm: every vLLM check, tiny float32 models)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="seconds for all checks (default 420; 600 with --vllm); a check that would start with "
+                             "less than it needs is skipped")
     parser.add_argument("--only", default=None, help="comma-separated check names to run (default: all)")
     for name, help_text in SIZE_OPTIONS.items():
         default = getattr(Shapes(), name)
@@ -244,16 +251,22 @@ def choose_checks(only: str | None, smoke: bool) -> list[Check]:
     return [c for c in checks if c.name in wanted]
 
 
+def budget_seconds(given: float | None, default: float) -> float:
+    """`--budget-s`, or `default` when not given; ValueError (exit 2) unless positive."""
+    if given is not None and given <= 0:
+        raise ValueError(f"--budget-s must be positive, got {given}")
+    return default if given is None else given
+
+
 def run(args: argparse.Namespace) -> int:
     """Returns 0 when no check failed or errored, 1 otherwise; raises ValueError (exit 2) without CUDA and --smoke."""
     if not args.smoke and not torch.cuda.is_available():
         raise ValueError("gpu-check needs a CUDA GPU (none is visible); on a CPU run `d3d gpu-check --smoke`")
-    if args.budget_s <= 0:
-        raise ValueError(f"--budget-s must be positive, got {args.budget_s}")
+    budget_s = budget_seconds(args.budget_s, 420.0)
     shapes = replace(SMOKE_SHAPES if args.smoke else Shapes(), **size_overrides(args))
     checks = choose_checks(args.only, args.smoke)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    results = run_checks(checks, shapes, device, Path(args.output), args.budget_s, args.smoke)
+    results = run_checks(checks, shapes, device, Path(args.output), budget_s, args.smoke)
     print((Path(args.output) / "gpu_check.md").read_text())
     return 0 if all(r.status in ("pass", "measured", "skipped") for r in results) else 1
 

@@ -76,3 +76,25 @@ def test_identity_check_reports_a_corrupted_token_with_its_margin(monkeypatch, o
     assert row["identical"] is False and row["first_divergence"] == SMOKE_SHAPES.max_new_tokens - 2
     assert row["reference_top2_margin"] >= 0 and row["score_gap"] > 0
     assert "margin" in result.summary
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_vllm_checks_without_cuda_or_without_vllm_one_line_and_exit_2(tmp_path, capsys):
+    """`--vllm` refuses, one line each: no CUDA without --smoke, a python that cannot import vLLM, options of the
+    other checks; `--vllm-python` without `--vllm`. The smoke run itself is tests_vllm/test_gpu_check_vllm.py."""
+    out = str(tmp_path / "out")
+    refusals = {
+        ("--vllm",): "gpu-check --vllm needs a CUDA GPU (none is visible); on a CPU run `d3d gpu-check --vllm --smoke`",
+        ("--vllm", "--smoke", "--vllm-python", sys.executable):
+            f"{sys.executable} cannot import vllm and the d3d_vllm plugin: pip install ./d3d_vllm into the vLLM "
+            "environment (README: Serving with vLLM)",
+        ("--vllm", "--smoke", "--only", "environment", "--prefix", "8"):
+            "--only, --prefix: not options of the vLLM checks (--vllm)",
+        ("--vllm-python", sys.executable): "--vllm-python goes with --vllm",
+        ("--vllm-eager",): "--vllm-eager goes with --vllm",
+        ("--vllm", "--smoke", "--budget-s", "0"): "--budget-s must be positive, got 0.0",
+    }
+    for args, message in refusals.items():
+        assert main(["gpu-check", "--output", out, *args]) == 2
+        assert capsys.readouterr().err.strip() == f"d3d gpu-check: error: {message}"
+    assert not (tmp_path / "out").exists()

@@ -5,14 +5,14 @@ import json
 import subprocess
 from itertools import pairwise
 
-from conftest import HERE, PYTHON, run_main, vllm_env, write_json
+from conftest import HERE, PYTHON, REPO, run_main, vllm_env, write_json
 
 
 def test_proposer_drafts_equal_draft_block(models, prompts, tmp_path):
     chosen = write_json(tmp_path / "prompts.json", prompts[:6])
     recorded, reference = tmp_path / "vllm.json", tmp_path / "reference.json"
     subprocess.run([PYTHON, str(HERE / "vllm_drafts.py"), str(models), str(chosen), str(recorded), "5"], check=True,
-                   env=vllm_env(), capture_output=True)
+                   env={**vllm_env(), "PYTHONPATH": str(REPO)}, capture_output=True)
     run_main(str(HERE / "reference_drafts.py"), str(models / "drafter"), str(recorded), str(reference))
     results, expected = json.loads(recorded.read_text()), json.loads(reference.read_text())
     proposals = [proposal for result in results for proposal in result["proposals"]]
