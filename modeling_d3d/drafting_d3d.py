@@ -1,5 +1,6 @@
 """Batch-first drafting over a `StaticKVCache`: the block pass, branch planning and the packed successor pass (their
-layouts, run through `passes_d3d.run_pass`), and turning logits into drafts (`process`, `choose`).
+layouts, written with `passes_d3d.PassLayoutBuilder` and run through `passes_d3d.run_pass`), and turning logits into
+drafts (`process`, `choose`).
 
 Every function takes all rows at once (a single prompt is a batch of one). A row is described by its drafter
 context (the tokens the drafter reads: its prompt, then the generated tokens; the last one is the anchor) and how
