@@ -64,8 +64,7 @@ def target_pass_seconds(target, prefix: list[int], n: int, repeats: int, compile
     width = max(n, 1)
     cache = StaticKVCache(target.config, 1, len(prefix) + width, target.device, target.dtype)
     prefill(target, cache, 0, prefix)
-    layout = PassLayout.empty(1, width, 0)
-    layout.put_causal(0, 0, prefix[-width:], len(prefix))
+    layout = PassLayout.causal(torch.tensor([prefix[-width:]]), torch.tensor([len(prefix)]))
     forward = compiled_passes(target).forward("verify") if compile else None
     return seconds(lambda: run_pass(target, cache, layout, width, forward=forward), repeats, target.device)
 

@@ -1,5 +1,6 @@
 """Batch-first drafting over a `StaticKVCache`: the block pass, branch planning and the packed successor pass (their
-layouts, run through `passes_d3d.run_pass`), and turning logits into drafts (`process`, `choose`).
+layouts, written with `passes_d3d.PassLayoutBuilder` and run through `passes_d3d.run_pass`), and turning logits into
+drafts (`process`, `choose`).
 
 Every function takes all rows at once (a single prompt is a batch of one). A row is described by its drafter
 context (the tokens the drafter reads: its prompt, then the generated tokens; the last one is the anchor) and how
@@ -13,7 +14,7 @@ from transformers import LogitsProcessorList
 from transformers.generation import logits_process
 
 from .caches_d3d import StaticKVCache
-from .passes_d3d import PassLayout, fixed_shapes, run_pass
+from .passes_d3d import PassLayout, PassLayoutBuilder, fixed_shapes, run_pass
 
 
 CONTEXT_FREE_PROCESSORS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
@@ -23,28 +24,21 @@ CONTEXT_FREE_PROCESSORS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPL
 def block_layout_for_rows(contexts: list[list[int]], committed: list[int], block_size: int, mask_id: int,
                           fixed: bool = False) -> PassLayout:
     """The block pass: per row `[padding, uncached tokens before the anchor, anchor, M x (B - 1)]`, the block always in
-    the last `B` input columns. The uncached part is as wide as the widest row's, or with `fixed` at least `B`
-    columns (its size after any round), so that the shape stays the same from round to round (compiled passes)."""
+    the last `B` input columns and written at its positions, the padding in scratch columns after it. The uncached
+    part is as wide as the widest row's, or with `fixed` at least `B` columns (its size after any round), so that the
+    shape stays the same from round to round (compiled passes)."""
     uncached = [len(context) - 1 - done for context, done in zip(contexts, committed)]
     if min(uncached) < 0:
         raise RuntimeError("A drafter cache holds more tokens than its row's prefix before the anchor")
     causal_width = max([block_size if fixed else 0, *uncached])
-    fields = [], [], [], [], [], []  # ids, positions, write_index, prefix_end, own_start, own_end: one list per row
-    for context, done, count in zip(contexts, committed, uncached):
-        pad, anchor = causal_width - count, len(context) - 1
-        block, scratch = range(anchor, anchor + block_size), range(anchor + block_size, anchor + block_size + pad)
-        causal = range(done, anchor)
-        rows = (
-            [mask_id] * pad + context[done:anchor] + [context[-1]] + [mask_id] * (block_size - 1),
-            [0] * pad + [*causal, *block],
-            [*scratch, *causal, *block],  # padding in scratch columns after the block, the rest at its positions
-            [0] * pad + [p + 1 for p in causal] + [anchor] * block_size,
-            [*scratch] + [0] * count + [anchor] * block_size,
-            [c + 1 for c in scratch] + [0] * count + [anchor + block_size] * block_size,
-        )
-        for values, row in zip(fields, rows):
-            values.append(row)
-    return PassLayout(*torch.tensor(fields, dtype=torch.long))
+    layout = PassLayoutBuilder(len(contexts), causal_width + block_size, mask_id)
+    masks = [mask_id] * (block_size - 1)
+    for row, (context, done) in enumerate(zip(contexts, committed)):
+        pad, anchor = causal_width - uncached[row], len(context) - 1
+        layout.put_causal(row, pad, context[done:anchor], done)
+        layout.put_block(row, causal_width, [context[-1]] + masks, anchor, anchor)
+        layout.put_padding(row, 0, pad, anchor + block_size)
+    return layout.build()
 
 
 def block_pass(drafter, cache: StaticKVCache, contexts: list[list[int]], committed: list[int], forward=None) -> torch.Tensor:
@@ -116,7 +110,7 @@ def successor_layout(contexts: list[list[int]], committed: list[int], drafts: li
     uncached = [len(context) - done + len(row_drafts) for context, done, row_drafts in zip(contexts, committed, drafts)]
     causal_width = max([2 * block_size if fixed else 0, *uncached])
     blocks = max(min_blocks, *(len(row) for row in anchors))
-    layout = PassLayout.empty(len(contexts), causal_width + blocks * block_size, mask_id)
+    layout = PassLayoutBuilder(len(contexts), causal_width + blocks * block_size, mask_id)
     masks = [mask_id] * (block_size - 1)
     for row, (context, done, row_drafts, row_anchors) in enumerate(zip(contexts, committed, drafts, anchors)):
         pad = causal_width - uncached[row]
@@ -124,10 +118,10 @@ def successor_layout(contexts: list[list[int]], committed: list[int], drafts: li
         scratch = len(context) + len(row_drafts)
         for k in range(blocks):
             token, j = row_anchors[min(k, len(row_anchors) - 1)]
-            column = causal_width + k * block_size
-            layout.put_block(row, column, [token] + masks, len(context) + j, scratch + k * block_size, block_size)
-        layout.put_padding(row, slice(0, pad), scratch + blocks * block_size)
-    return layout, blocks
+            layout.put_block(row, causal_width + k * block_size, [token] + masks, len(context) + j,
+                             scratch + k * block_size)
+        layout.put_padding(row, 0, pad, scratch + blocks * block_size)
+    return layout.build(), blocks
 
 
 def successor_pass(drafter, cache: StaticKVCache, contexts: list[list[int]], committed: list[int],

@@ -252,7 +252,7 @@ class D3DBlockDiffusionModel(D3DPreTrainedModel, GenerationMixin):
             logits_to_keep=block_size - 1,
         ).logits.float()
         cache.crop(-block_size)
-        tokens, logits = propose(logits, input_ids, logits_processor, do_sample, generator)
+        tokens, logits = _drafts_from_logits(logits, input_ids, logits_processor, do_sample, generator)
         return D3DBlockDraft(tokens=tokens, logits=logits, past_key_values=cache)
 
     @classmethod
@@ -303,15 +303,15 @@ def _cached_prefix_length(cache: DynamicCache, length: int) -> int:
     return cached
 
 
-def propose(
+def _drafts_from_logits(
     logits: torch.Tensor,
     prefix_ids: torch.LongTensor,
     logits_processor: LogitsProcessorList | None,
     do_sample: bool,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.LongTensor, torch.FloatTensor]:
-    """Turn raw block logits into proposals: apply the target's processors (with the prefix as context), then take
-    the argmax or sample. logits: `(batch, n, vocab)` float32; prefix_ids: `(batch, L)`.
+    """`draft_block`'s drafts from its raw block logits: apply the target's processors (with the prefix as context),
+    then take the argmax or sample. logits: `(batch, n, vocab)` float32; prefix_ids: `(batch, L)`.
     Returns tokens `(batch, n)` and processed logits `(batch, n, vocab)`, whose softmax is q."""
     batch, positions, vocab = logits.shape
     if logits_processor:
@@ -373,4 +373,4 @@ def check_compatibility(drafter, target, target_tokenizer=None, drafter_tokenize
 
 
 __all__ = ["D3DBlockDiffusionModel", "D3DBlockDraft", "D3DPackedOutput", "D3DPreTrainedModel", "check_compatibility",
-           "choose_mask_token_id", "propose"]
+           "choose_mask_token_id"]

@@ -1,8 +1,9 @@
 """One forward pass over rows of a `StaticKVCache`, for the target (verify, prefill) and the drafter alike.
 
 A `PassLayout` says, per row and input column, the token, its rotary position, the cache column it is written to
-and what it sees (`masking_d3d.interval_mask`); `run_pass` plans the cache, builds the mask and runs the model (or
-its `compiled_forward`); `prefill` commits a prompt to one slot.
+and what it sees (`masking_d3d.interval_mask`); a `PassLayoutBuilder` writes one span by span (the drafter's block
+and successor passes); `run_pass` plans the cache, builds the mask and runs the model (or its `compiled_forward`);
+`prefill` commits a prompt to one slot.
 """
 
 import threading
@@ -31,48 +32,12 @@ class PassLayout:
     own_end: torch.Tensor
 
     @classmethod
-    def empty(cls, rows: int, width: int, fill_id: int) -> "PassLayout":
-        zeros = lambda: torch.zeros(rows, width, dtype=torch.long)  # noqa: E731
-        return cls(torch.full((rows, width), fill_id, dtype=torch.long), zeros(), zeros(), zeros(), zeros(), zeros())
-
-    @classmethod
     def causal(cls, ids: torch.Tensor, starts: torch.Tensor) -> "PassLayout":
         """Every row causal: ids `(rows, width)` at positions `starts[r]..` `(rows,)`, each written at the cache
-        column of its position and seeing its prefix (`put_causal` for all rows at once)."""
+        column of its position and seeing its prefix (`PassLayoutBuilder.put_causal` for all rows at once)."""
         positions = starts[:, None] + torch.arange(ids.shape[1])
         return cls(ids, positions, positions.clone(), positions + 1, torch.zeros_like(positions),
                    torch.zeros_like(positions))
-
-    def put_causal(self, row: int, column: int, tokens: list[int], start: int) -> None:
-        """Tokens at positions `start..` written at the cache columns of their positions, each seeing its prefix."""
-        span = slice(column, column + len(tokens))
-        positions = torch.arange(start, start + len(tokens))
-        self.ids[row, span] = torch.tensor(tokens, dtype=torch.long)
-        self.positions[row, span] = positions
-        self.write_index[row, span] = positions
-        self.prefix_end[row, span] = positions + 1
-
-    def put_block(self, row: int, column: int, tokens: list[int] | torch.Tensor, anchor_position: int,
-                  cache_column: int, size: int) -> None:
-        """A block `[anchor, M, ...]` of `size` tokens in scratch columns `cache_column..`, seeing the prefix before
-        its anchor and itself."""
-        span = slice(column, column + size)
-        self.ids[row, span] = torch.as_tensor(tokens, dtype=torch.long)
-        self.positions[row, span] = torch.arange(anchor_position, anchor_position + size)
-        self.write_index[row, span] = torch.arange(cache_column, cache_column + size)
-        self.prefix_end[row, span] = anchor_position
-        self.own_start[row, span] = cache_column
-        self.own_end[row, span] = cache_column + size
-
-    def put_padding(self, row: int, columns: slice, cache_column: int) -> None:
-        """Unused input columns: written to scratch columns from `cache_column`, each seeing only itself."""
-        count = columns.stop - columns.start
-        if count <= 0:
-            return
-        scratch = torch.arange(cache_column, cache_column + count)
-        self.write_index[row, columns] = scratch
-        self.own_start[row, columns] = scratch
-        self.own_end[row, columns] = scratch + 1
 
     def padded(self, rows: int) -> "PassLayout":
         """This layout with rows added up to `rows` (fixed shapes): each added row writes its input columns to the
@@ -91,6 +56,55 @@ class PassLayout:
     def kv_length(self) -> int:
         """Columns the pass must attend over: every column it writes or a query sees."""
         return int(torch.maximum(self.write_index.max() + 1, self.prefix_end.max()))
+
+
+class PassLayoutBuilder:
+    """A `PassLayout` of `rows` rows of `width` input columns, written span by span (`put_causal`, `put_block`,
+    `put_padding`; columns left unwritten hold `fill_id` at position 0, write to cache column 0 and see nothing) in
+    Python lists, and made tensors in one conversion (`build`): a drafting pass writes a few short spans per row, each
+    too small to be worth tensor operations of its own."""
+
+    def __init__(self, rows: int, width: int, fill_id: int):
+        self.width = width
+        self.ids = [[fill_id] * width for _ in range(rows)]
+        self.positions, self.write_index, self.prefix_end, self.own_start, self.own_end = (
+            [[0] * width for _ in range(rows)] for _ in range(5))
+
+    def put_causal(self, row: int, column: int, tokens: list[int], start: int) -> None:
+        """Tokens at positions `start..` written at the cache columns of their positions, each seeing its prefix."""
+        span = self._span(column, len(tokens))
+        self.ids[row][span] = tokens
+        self.positions[row][span] = self.write_index[row][span] = range(start, start + len(tokens))
+        self.prefix_end[row][span] = range(start + 1, start + len(tokens) + 1)
+
+    def put_block(self, row: int, column: int, tokens: list[int], anchor_position: int, cache_column: int) -> None:
+        """A block `tokens = [anchor, M, ...]` in scratch columns `cache_column..`, seeing the prefix before its
+        anchor and itself."""
+        size = len(tokens)
+        span = self._span(column, size)
+        self.ids[row][span] = tokens
+        self.positions[row][span] = range(anchor_position, anchor_position + size)
+        self.write_index[row][span] = range(cache_column, cache_column + size)
+        self.prefix_end[row][span] = [anchor_position] * size
+        self.own_start[row][span] = [cache_column] * size
+        self.own_end[row][span] = [cache_column + size] * size
+
+    def put_padding(self, row: int, column: int, count: int, cache_column: int) -> None:
+        """`count` unused input columns from `column`: written to scratch columns from `cache_column`, each seeing
+        only itself."""
+        span = self._span(column, count)
+        self.write_index[row][span] = self.own_start[row][span] = range(cache_column, cache_column + count)
+        self.own_end[row][span] = range(cache_column + 1, cache_column + count + 1)
+
+    def _span(self, column: int, count: int) -> slice:
+        if column < 0 or count < 0 or column + count > self.width:
+            raise RuntimeError(f"Input columns {column}..{column + count} are outside a {self.width}-column layout")
+        return slice(column, column + count)
+
+    def build(self) -> PassLayout:
+        """The layout as `(rows, width)` long tensors on the host."""
+        return PassLayout(*torch.tensor([self.ids, self.positions, self.write_index, self.prefix_end, self.own_start,
+                                         self.own_end], dtype=torch.long))
 
 
 @torch.no_grad()
@@ -263,5 +277,6 @@ def prefill(model, cache: StaticKVCache, slot: int, tokens: list[int]) -> None:
     cache.committed[slot] = len(tokens)
 
 
-__all__ = ["CompiledForward", "CompiledPasses", "PASS_KINDS", "PassLayout", "compiled_forward", "compiled_passes",
-           "fixed_shapes", "mark_dynamic_inputs", "pass_function", "prefill", "release_compiled_passes", "run_pass"]
+__all__ = ["CompiledForward", "CompiledPasses", "PASS_KINDS", "PassLayout", "PassLayoutBuilder", "compiled_forward",
+           "compiled_passes", "fixed_shapes", "mark_dynamic_inputs", "pass_function", "prefill",
+           "release_compiled_passes", "run_pass"]

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from conftest import tiny_qwen3_config
-from modeling_d3d.drafting_d3d import block_layout_for_rows
+from modeling_d3d.drafting_d3d import block_layout_for_rows, successor_layout
 from modeling_d3d.masking_d3d import CAUSAL_BLOCK_ID, block_layout, create_block_diffusion_mask, interval_mask
+from modeling_d3d.passes_d3d import PassLayoutBuilder
 
 
 def visibility(num_causal, starts, block_size, past_length=0, attn="sdpa") -> torch.Tensor:
@@ -108,3 +109,46 @@ def test_interval_mask_and_the_block_diffusion_mask_disagree_when_the_layout_is_
                          torch.float32)
     expected = visibility(3, [3], block_size)
     assert not torch.equal(mask[0, 0, -(3 + block_size):, : 3 + block_size], expected)
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_interval_mask_of_a_successor_pass_is_the_block_diffusion_mask_of_the_same_tokens(fixed):
+    """The packed successor pass (rows with different cached prefixes and block counts, padded to one width and, with
+    `fixed`, to more blocks than any row plans) sees, for every real token, exactly what `create_block_diffusion_mask`
+    lets the same tokens see: block `(token, j)` sees the context and the first `j` drafts; padding columns are seen
+    by no real token."""
+    block_size, generator = 4, torch.Generator().manual_seed(1)
+    contexts = [torch.randint(0, 90, (n,), generator=generator).tolist() for n in (9, 3, 14)]
+    committed, drafts = [5, 0, 13], [[7, 8, 9], [10, 11, 12], [13, 14, 15]]
+    anchors = [[(20, 0), (21, 1), (9, 2)], [(12, 2)], [(22, 0), (15, 2)]]
+    layout, blocks = successor_layout(contexts, committed, drafts, anchors, block_size, 95, fixed, 4 if fixed else 0)
+    assert blocks == (4 if fixed else 3)
+    config = tiny_qwen3_config()
+    mask = interval_mask(config, layout.prefix_end, layout.own_start, layout.own_end, layout.kv_length(), torch.float32)
+    sees = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0
+    for row, (context, done, row_drafts, row_anchors) in enumerate(zip(contexts, committed, drafts, anchors)):
+        uncached = len(context) - done + len(row_drafts)
+        row_anchors = row_anchors + row_anchors[-1:] * (blocks - len(row_anchors))  # fewer blocks: the last repeats
+        starts = [len(context) + j for _, j in row_anchors]
+        expected = visibility(uncached, starts, block_size, past_length=done)
+        real = slice(layout.ids.shape[1] - uncached - blocks * block_size, None)  # the padding comes first
+        seen = done + uncached + blocks * block_size
+        assert torch.equal(sees[row, real, :seen], expected), row
+        assert not sees[row, real, seen:].any(), row
+        for column in range(real.start):  # padding sees only the scratch column it writes
+            assert sees[row, column].nonzero().flatten().tolist() == [layout.write_index[row, column].item()], row
+        blocks_ids = [t for token, _ in row_anchors for t in [token] + [95] * (block_size - 1)]
+        assert layout.ids[row, real].tolist() == context[done:] + row_drafts + blocks_ids, row
+
+
+def test_a_layout_refuses_a_span_outside_its_columns():
+    """An internal error, not a silently longer row: spans must fit the layout's width."""
+    layout = PassLayoutBuilder(2, 4, 0)
+    with pytest.raises(RuntimeError, match="outside"):
+        layout.put_causal(0, 2, [1, 2, 3], 0)
+    with pytest.raises(RuntimeError, match="outside"):
+        layout.put_block(1, 1, [1, 2, 3, 4], 5, 5)
+    with pytest.raises(RuntimeError, match="outside"):
+        layout.put_padding(1, 3, 2, 9)
+    layout.put_causal(0, 1, [1, 2, 3], 0)
+    assert layout.build().ids.tolist() == [[0, 1, 2, 3], [0, 0, 0, 0]]
