@@ -304,3 +304,13 @@ def test_a_second_backward_through_the_chunked_losses_is_a_clear_error():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward runs once"):
         loss.backward()
+
+
+@pytest.mark.parametrize("partitioned", [False, True])
+def test_a_head_the_chunked_losses_cannot_read_is_a_clear_error(partitioned):
+    head = nn.Linear(32, 96, bias=not partitioned)
+    if partitioned:  # what a ZeRO-3 parameter looks like outside its module's forward
+        head.weight = nn.Parameter(torch.empty(0))
+    ar_hidden, diffusion_hidden, ar_labels, block_labels = ragged_hidden_states(torch.float32)
+    with pytest.raises(RuntimeError, match="without bias|must be gathered"):
+        training_losses(ar_hidden, diffusion_hidden, head, ar_labels, block_labels)

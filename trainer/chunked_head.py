@@ -56,6 +56,7 @@ class RowGroup:
 class _Plan:
     groups: tuple[RowGroup, ...]
     rows_per_chunk: int
+    weight_rows_per_piece: int
     compute: torch.dtype
     teacher_weight: torch.Tensor | None
     teacher_compute: torch.dtype | None
@@ -80,7 +81,8 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
 
 def _add_weight_gradient(grad_weight: torch.Tensor, grad_logits: torch.Tensor, rows: torch.Tensor, piece: int) -> None:
     """`grad_weight += grad_logits^T @ rows` (`(vocab, hidden)`, `(n, vocab)`, `(n, hidden)`), the matmul in the
-    logits' dtype; into a wider `grad_weight` (float32 master weights under autocast) `piece` vocabulary rows at a time."""
+    logits' dtype; into a wider `grad_weight` (float32 master weights under autocast) `piece` vocabulary rows at a
+    time, so that the product's copy in the logits' dtype stays the size of a piece."""
     if grad_weight.dtype == grad_logits.dtype:
         grad_weight.addmm_(grad_logits.T, rows)
         return
@@ -113,11 +115,10 @@ class _ChunkedHeadLosses(torch.autograd.Function):
                 per_kind = {NLL: -log_probs.gather(-1, labels).squeeze(-1)}
                 teacher = None
                 if kl_rows is not None:
-                    teacher_logits = (group.teacher_hidden[chunk].to(plan.teacher_compute) @ teacher_head.T).to(wide)
-                    teacher = teacher_logits.softmax(-1)
+                    teacher_inputs = group.teacher_hidden[chunk].to(plan.teacher_compute)
+                    teacher = (teacher_inputs @ teacher_head.T).to(wide).softmax(-1)
                     if plan.teacher_target is not None:
                         teacher = plan.teacher_target(teacher, labels.squeeze(-1))
-                    del teacher_logits
                     per_kind[KL] = torch.xlogy(teacher, teacher).sum(-1) - (teacher * log_probs).sum(-1)
                 for offset, term in enumerate(group.terms):
                     values[term_index + offset] += (term.weights[chunk] * per_kind[term.kind]).sum()
@@ -138,7 +139,7 @@ class _ChunkedHeadLosses(torch.autograd.Function):
                 if group_grad is not None:
                     group_grad[chunk] = grad_logits @ head
                 if grad_weight is not None:
-                    _add_weight_gradient(grad_weight, grad_logits, inputs, plan.rows_per_chunk)
+                    _add_weight_gradient(grad_weight, grad_logits, inputs, plan.weight_rows_per_piece)
             term_index += len(group.terms)
             grad_hidden.append(group_grad)
         coefficients = torch.tensor([term.coefficient for group in plan.groups for term in group.terms], dtype=wide,
@@ -163,7 +164,7 @@ def _weight(head: nn.Module, hidden_size: int) -> torch.Tensor:
     weight = head.weight
     if getattr(head, "bias", None) is not None:
         raise RuntimeError("chunked_head_losses needs an LM head without bias")
-    if weight.dim() != 2 or weight.shape[1] != hidden_size:
+    if weight.dim() != 2 or weight.shape[1] != hidden_size or weight.shape[0] == 0:
         raise RuntimeError(f"the LM head's weight has shape {tuple(weight.shape)}, not (vocab, {hidden_size}): a head "
                            "partitioned outside its forward (ZeRO-3, FSDP) must be gathered for the chunked losses")
     return weight
@@ -172,19 +173,20 @@ def _weight(head: nn.Module, hidden_size: int) -> torch.Tensor:
 def chunked_head_losses(
     head: nn.Module,
     groups: list[RowGroup],
-    rows_per_chunk: int,
+    chunk_elements: int,
     teacher_head: nn.Module | None = None,
     teacher_target: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The total loss `sum_t coefficient_t * term_t` over every group's terms, and each term's value.
 
-    head: a bias-free LM head (`.weight` `(vocab, hidden)`); teacher_head: the same for the `kl` terms' teacher;
+    head: a bias-free LM head (`.weight` `(vocab, hidden)`); chunk_elements: logits entries formed at once (rows per
+    chunk: `chunk_elements // vocab`, at least one); teacher_head: the same for the `kl` terms' teacher;
     teacher_target: `(n, vocab)` teacher probabilities (at least float32) and `(n,)` labels -> the `kl` terms' target
     distribution (default: the teacher's probabilities).
     Returns `(total, {term name: value})`: `total` a 0-dim tensor in at least float32, differentiable w.r.t. every
     group's `hidden` and `head.weight`; the values are detached (for logging)."""
-    if not groups or rows_per_chunk < 1:
-        raise RuntimeError("chunked_head_losses needs at least one row group and rows_per_chunk >= 1")
+    if not groups:
+        raise RuntimeError("chunked_head_losses needs at least one row group")
     weight = _weight(head, groups[0].hidden.shape[-1])
     kl_groups = [group for group in groups if any(term.kind == KL for term in group.terms)]
     if kl_groups and (teacher_head is None or any(group.teacher_hidden is None for group in kl_groups)):
@@ -193,7 +195,8 @@ def chunked_head_losses(
     grad = torch.is_grad_enabled()
     plan = _Plan(
         groups=tuple(groups),
-        rows_per_chunk=rows_per_chunk,
+        rows_per_chunk=max(1, chunk_elements // weight.shape[0]),
+        weight_rows_per_piece=max(1, chunk_elements // weight.shape[1]),
         compute=compute_dtype(weight),
         teacher_weight=teacher_weight.detach() if teacher_weight is not None else None,
         teacher_compute=compute_dtype(teacher_weight) if teacher_weight is not None else None,

@@ -3,9 +3,10 @@ hidden states.
 
 Each loss takes the drafter's final hidden states and its LM head, and forms logits only at the positions it
 supervises: `L_AR` at response positions, `L_diff` and `L_KL` at supervised masked positions. Those hidden states
-are gathered first, then `trainer.chunked_head` runs the head `rows_per_chunk` of them at a time and forms each chunk's
-gradients in the forward pass, so no `(positions, vocab)` float32 matrix is ever whole, forward or backward, and
-nothing is recomputed. `training_losses` reads every term in one pass (`L_diff` and `L_KL` from the same logits).
+are gathered first, then `trainer.chunked_head` runs the head on `chunk_elements // vocab` of them at a time and
+forms each chunk's gradients in the forward pass, so no `(positions, vocab)` float32 matrix is ever whole, forward or
+backward, and nothing is recomputed. `training_losses` reads every term in one pass (`L_diff` and `L_KL` from the
+same logits).
 
 Shapes: diffusion hidden states `(batch, K, B - 1, hidden)` with block labels `(batch, K, B - 1)`; AR hidden states
 `(batch, S, hidden)` with AR labels `(batch, S)`. Label `-100` marks a position without supervision.
@@ -28,11 +29,6 @@ def position_weights(
 ) -> torch.Tensor:
     """`w_j = exp(-(j - 1) / gamma)` for masked positions `j = 1..num_masked`: shape `(num_masked,)`."""
     return torch.exp(-torch.arange(num_masked, device=device, dtype=dtype) / gamma)
-
-
-def rows_per_chunk(head: nn.Module, chunk_elements: int = LOGITS_CHUNK_ELEMENTS) -> int:
-    """Positions whose logits fit `chunk_elements` entries under `head` (an `nn.Linear` to the vocabulary)."""
-    return max(1, chunk_elements // head.weight.shape[0])
 
 
 def _ar_group(hidden: torch.Tensor, ar_labels: torch.Tensor, ar_weight: float) -> RowGroup:
@@ -66,7 +62,7 @@ def diffusion_loss(
 
     hidden: `(batch, K, B - 1, hidden)` final hidden states of the masked positions; block_labels: `(batch, K, B - 1)`."""
     group = _masked_group(hidden, block_labels, gamma, {"diffusion": NLL})
-    return chunked_head_losses(head, [group], rows_per_chunk(head, chunk_elements))[0]
+    return chunked_head_losses(head, [group], chunk_elements)[0]
 
 
 def ar_loss(
@@ -75,7 +71,7 @@ def ar_loss(
     """`L_AR`: mean next-token negative log-likelihood over the supervised (response) positions of the batch.
 
     hidden: `(batch, S, hidden)`; `ar_labels[:, i]` is the token that position `i` should predict (already shifted)."""
-    return chunked_head_losses(head, [_ar_group(hidden, ar_labels, 1.0)], rows_per_chunk(head, chunk_elements))[0]
+    return chunked_head_losses(head, [_ar_group(hidden, ar_labels, 1.0)], chunk_elements)[0]
 
 
 def adjust_teacher(teacher_probs: torch.Tensor, labels: torch.Tensor, delta: float = 0.01) -> torch.Tensor:
@@ -107,7 +103,7 @@ def distillation_loss(
     positions. Student and teacher hidden states `(batch, K, B - 1, hidden)` from the same blocks and attention
     pattern; each model's head forms its logits, chunk by chunk (the teacher's without gradient)."""
     group = _masked_group(hidden, block_labels, gamma, {"kl": KL}, teacher_hidden)
-    return chunked_head_losses(head, [group], rows_per_chunk(head, chunk_elements), teacher_head,
+    return chunked_head_losses(head, [group], chunk_elements, teacher_head,
                                partial(adjust_teacher, delta=delta))[0]
 
 
@@ -131,12 +127,12 @@ def training_losses(
     terms = {"diffusion": NLL} | ({"kl": KL} if teacher_hidden is not None else {})
     groups = [_ar_group(ar_hidden, ar_labels, ar_weight), _masked_group(diffusion_hidden, block_labels, gamma, terms,
                                                                         teacher_hidden)]
-    total, values = chunked_head_losses(head, groups, rows_per_chunk(head, chunk_elements), teacher_head,
+    total, values = chunked_head_losses(head, groups, chunk_elements, teacher_head,
                                         partial(adjust_teacher, delta=kl_margin))
     return {"loss": total, **values}
 
 
 __all__ = [
     "DFLASH_GAMMA", "IGNORE_INDEX", "LOGITS_CHUNK_ELEMENTS", "adjust_teacher", "ar_loss", "diffusion_loss",
-    "distillation_loss", "position_weights", "rows_per_chunk", "training_losses",
+    "distillation_loss", "position_weights", "training_losses",
 ]
