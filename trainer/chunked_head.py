@@ -110,8 +110,7 @@ class _ChunkedHeadLosses(torch.autograd.Function):
             for start in range(0, rows.shape[0], plan.rows_per_chunk):
                 chunk = slice(start, start + plan.rows_per_chunk)
                 inputs, labels = rows[chunk].to(plan.compute), group.labels[chunk, None]
-                log_probs = (inputs @ head.T).to(wide)
-                log_probs -= log_probs.logsumexp(-1, keepdim=True)
+                log_probs = torch.log_softmax(inputs @ head.T, -1, dtype=wide)
                 per_kind = {NLL: -log_probs.gather(-1, labels).squeeze(-1)}
                 teacher = None
                 if kl_rows is not None:
