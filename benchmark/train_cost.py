@@ -3,10 +3,11 @@ training losses on randomly initialised drafters of real shapes (no download: on
 
 Two loss paths on the same batch: `full-logits` (every packed position's logits, upcast to float32, as the losses
 were before they read hidden states; kept here as the baseline and as the tests' reference) and `hidden-states`
-(`trainer.d3d_trainer.d3d_loss_terms`: logits only at supervised positions, a chunk at a time). Peak memory is the
-step's own: CUDA `max_memory_allocated` above what was allocated before the step; CPU the process's peak resident
-set (`VmHWM`, reset through `/proc/self/clear_refs`) above its resident set before the step. Gradients are freed
-before each step, so their allocation is part of the peak; optimizer states are not measured (see `projection`).
+(`trainer.d3d_trainer.d3d_loss_terms`: logits only at supervised positions, a chunk at a time, each chunk's gradients
+formed in the forward pass). Peak memory is the step's own: CUDA `max_memory_allocated` above what was allocated
+before the step; CPU the process's peak resident set (`VmHWM`, reset through `/proc/self/clear_refs`) above its
+resident set before the step. Gradients are freed before each step, so their allocation is part of the peak
+(`gradient_bytes`: the parameters' gradients after the step); optimizer states are not measured (see `projection`).
 """
 
 import json
@@ -158,6 +159,7 @@ class StepCost:
     seconds: float
     tokens_per_second: float
     peak_bytes: int
+    gradient_bytes: int
     loss: float
 
 
@@ -184,6 +186,7 @@ def step_costs(name: str, shape: TrainShape, loss_paths: list[str], device: str,
             model.zero_grad(set_to_none=True)
             step(path)
     times, peaks, losses = ({path: [] for path in loss_paths} for _ in range(3))
+    gradient_bytes = {}
     for _ in range(max(repeats - 1, 1)):
         for path in loss_paths:
             model.zero_grad(set_to_none=True)
@@ -193,12 +196,13 @@ def step_costs(name: str, shape: TrainShape, loss_paths: list[str], device: str,
                 synchronize(target)
                 times[path].append(time.perf_counter() - start)
             peaks[path].append(memory.peak)
+            gradient_bytes[path] = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
     positions = shape.packed_positions * shape.batch
     costs = []
     for path in loss_paths:
         seconds = sorted(times[path])[len(times[path]) // 2]
         costs.append(StepCost(name, path, gradient_checkpointing, shape.layers, positions, seconds, positions / seconds,
-                              max(peaks[path]), losses[path][-1]))
+                              max(peaks[path]), gradient_bytes[path], losses[path][-1]))
     return costs
 
 
@@ -257,12 +261,12 @@ def projection(costs: list[StepCost], measured: TrainShape, itemsize: int, paper
 
 
 def cost_table(costs: list[StepCost]) -> str:
-    lines = ["| shape | loss path | grad. ckpt | layers | packed positions | step s | positions/s | peak GiB | loss |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | loss path | grad. ckpt | layers | packed positions | step s | positions/s | peak GiB | "
+             "gradients GiB | loss |", "|---|---|---|---|---|---|---|---|---|---|"]
     for c in costs:
         lines.append(f"| {c.shape} | {c.loss_path} | {'yes' if c.gradient_checkpointing else 'no'} | {c.layers} | "
                      f"{c.packed_positions} | {c.seconds:.3f} | {c.tokens_per_second:,.0f} | {c.peak_bytes / 2**30:.2f} | "
-                     f"{c.loss:.4f} |")
+                     f"{c.gradient_bytes / 2**30:.2f} | {c.loss:.4f} |")
     return "\n".join(lines)
 
 

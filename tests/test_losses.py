@@ -7,12 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import tiny_target
 from modeling_d3d import D3DForBlockDiffusion
 from trainer.collator import D3DCollator
 from trainer.d3d_trainer import d3d_loss_terms
-from trainer.losses import IGNORE_INDEX, adjust_teacher, distillation_loss, position_weights
+from trainer.losses import IGNORE_INDEX, adjust_teacher, distillation_loss, position_weights, training_losses
 
 BLOCK, GAMMA, LAMBDA = 4, 2.5, 0.7
 
@@ -172,28 +173,144 @@ def test_hidden_state_losses_equal_the_full_logits_losses_and_their_gradients(ch
 
 
 
-class RowCountingHead(nn.Module):
-    """Wraps an LM head and records how many positions each call forms logits for."""
+class MatmulRecorder(TorchDispatchMode):
+    """Records the shapes `(m, k, n)` of every matrix product dispatched while active (forward and backward)."""
 
-    def __init__(self, head: nn.Linear):
+    def __init__(self):
         super().__init__()
-        self.head, self.weight, self.calls = head, head.weight, []
+        self.products = []
 
-    def forward(self, hidden):
-        self.calls.append(hidden.shape[0])
-        return self.head(hidden)
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+            first, second = args[-2], args[-1]
+            self.products.append((first.shape[0], first.shape[1], second.shape[1]))
+        return func(*args, **(kwargs or {}))
 
 
-def test_the_head_forms_logits_only_at_supervised_positions_a_chunk_at_a_time():
-    student = D3DForBlockDiffusion.from_backbone(tiny_target(2), block_size=BLOCK)
-    teacher = D3DForBlockDiffusion.from_backbone(tiny_target(4), block_size=BLOCK).eval()
-    batch = D3DCollator(block_size=BLOCK, num_anchors=5, seed=3)(examples())
-    head, teacher_head = RowCountingHead(student.lm_head), RowCountingHead(teacher.lm_head)
-    terms = d3d_loss_terms(student, batch, GAMMA, LAMBDA, teacher, head=head, teacher_head=teacher_head,
-                           chunk_elements=4 * 96)
-    forward_calls = list(head.calls)
-    terms["loss"].backward()
-    supervised = int((batch["ar_labels"] != IGNORE_INDEX).sum() + 2 * (batch["block_labels"] != IGNORE_INDEX).sum())
-    assert sum(forward_calls) == supervised  # AR positions once; masked positions for L_diff and for L_KL
-    assert sum(teacher_head.calls) == 2 * int((batch["block_labels"] != IGNORE_INDEX).sum())  # forward + recompute
-    assert max(head.calls) == 4 and head.calls[len(forward_calls):]  # chunks of 4 positions, recomputed in backward
+def ragged_hidden_states(dtype=torch.float64, seed=0):
+    """Hidden states and labels as `forward_packed` and the collator give them, with every kind of unsupervised position:
+    AR `(2, 9, 32)` with prompt and padding positions ignored; diffusion `(2, 3, BLOCK - 1, 32)` with blocks past the
+    response end and a fully padded block."""
+    generator = torch.Generator().manual_seed(seed)
+    ar_hidden = torch.randn(2, 9, 32, generator=generator, dtype=dtype)
+    diffusion_hidden = torch.randn(2, 3, BLOCK - 1, 32, generator=generator, dtype=dtype)
+    ar_labels = torch.randint(0, 96, (2, 9), generator=generator)
+    ar_labels[0, :3] = ar_labels[1, :2] = ar_labels[1, 7:] = IGNORE_INDEX
+    block_labels = torch.randint(0, 96, (2, 3, BLOCK - 1), generator=generator)
+    block_labels[0, 2, 1:] = block_labels[1, 0] = IGNORE_INDEX
+    return ar_hidden, diffusion_hidden, ar_labels, block_labels
+
+
+def plain_losses(ar_hidden, diffusion_hidden, head, ar_labels, block_labels, teacher_hidden, teacher_head):
+    """The same total through the head at every position (full logits) and autograd."""
+    diffusion_logits = head(diffusion_hidden)
+    with torch.no_grad():
+        teacher_logits = teacher_head(teacher_hidden)
+    return (full_logits_diffusion_loss(diffusion_logits, block_labels, GAMMA)
+            + LAMBDA * full_logits_ar_loss(head(ar_hidden), ar_labels)
+            + full_logits_distillation_loss(diffusion_logits, teacher_logits, block_labels, GAMMA))
+
+
+def loss_gradients(loss_fn, head, ar_hidden, diffusion_hidden, *rest):
+    """Gradients of `loss_fn(...)` w.r.t. the AR hidden states, the diffusion hidden states and the head's weight."""
+    leaves = [ar_hidden.clone().requires_grad_(), diffusion_hidden.clone().requires_grad_()]
+    head.zero_grad()
+    loss = loss_fn(*leaves, head, *rest)
+    loss.backward()
+    return loss.detach(), [leaves[0].grad, leaves[1].grad, head.weight.grad.clone()]
+
+
+def chunked_total(ar_hidden, diffusion_hidden, head, ar_labels, block_labels, teacher_hidden, teacher_head,
+                  chunk_elements=3 * 96):
+    return training_losses(ar_hidden, diffusion_hidden, head, ar_labels, block_labels, GAMMA, LAMBDA, teacher_hidden,
+                           teacher_head, 0.01, chunk_elements)["loss"]
+
+
+def test_chunked_gradients_wrt_hidden_states_and_head_equal_the_full_logits_ones_and_see_every_position():
+    """Gradients w.r.t. every hidden state (zero where unsupervised) and the head's weight equal the plain full-logits
+    computation in float64; moving the supervised set by one position either way breaks the equality."""
+    torch.manual_seed(0)
+    head, teacher_head = nn.Linear(32, 96, bias=False).double(), nn.Linear(32, 96, bias=False).double()
+    ar_hidden, diffusion_hidden, ar_labels, block_labels = ragged_hidden_states()
+    teacher_hidden = torch.randn_like(diffusion_hidden)
+    rest = (ar_labels, block_labels, teacher_hidden, teacher_head)
+    expected_loss, expected = loss_gradients(plain_losses, head, ar_hidden, diffusion_hidden, *rest)
+    loss, got = loss_gradients(chunked_total, head, ar_hidden, diffusion_hidden, *rest)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-12, atol=1e-12)
+    for name, a, b in zip(("ar hidden", "diffusion hidden", "head weight"), got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
+    assert (expected[0][ar_labels == IGNORE_INDEX] == 0).all() and (expected[1][block_labels == IGNORE_INDEX] == 0).all()
+
+    def differs(ar, blocks):  # the chunked path on a supervised set moved by one position, against the true gradients
+        _, moved = loss_gradients(chunked_total, head, ar_hidden, diffusion_hidden, ar, blocks, teacher_hidden,
+                                  teacher_head)
+        return any(not torch.allclose(a, b, rtol=1e-6, atol=1e-8) for a, b in zip(moved, expected))
+
+    dropped_ar, added_ar = ar_labels.clone(), ar_labels.clone()
+    dropped_ar[0, 5], added_ar[0, 0] = IGNORE_INDEX, 7
+    dropped_block, added_block = block_labels.clone(), block_labels.clone()
+    dropped_block[1, 2, 0], added_block[1, 0, 0] = IGNORE_INDEX, 7
+    assert differs(dropped_ar, block_labels) and differs(added_ar, block_labels)
+    assert differs(ar_labels, dropped_block) and differs(ar_labels, added_block)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])  # float32 master weights, or bf16 weights
+def test_chunked_losses_under_bf16_autocast_match_the_plain_autocast_computation(weight_dtype):
+    """Under bf16 autocast the head runs in bf16 as `nn.Linear` would and the losses in float32; values and gradients
+    (hidden states in their dtype, the weight's in its own) agree with the plain computation to bf16 rounding."""
+    torch.manual_seed(0)
+    head = nn.Linear(32, 96, bias=False).to(weight_dtype)
+    teacher_head = nn.Linear(32, 96, bias=False).to(weight_dtype)
+    ar_hidden, diffusion_hidden, ar_labels, block_labels = ragged_hidden_states(torch.float32)
+    rest = (ar_labels, block_labels, torch.randn_like(diffusion_hidden), teacher_head)
+    results = []
+    for loss_fn in (plain_losses, chunked_total):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            results.append(loss_gradients(loss_fn, head, ar_hidden, diffusion_hidden, *rest))
+    (expected_loss, expected), (loss, got) = results
+    assert loss.dtype == torch.float32  # (the reference's L_KL is in float64)
+    assert loss.item() == pytest.approx(expected_loss.item(), rel=1e-3)
+    for a, b in zip(got, expected):
+        assert a.dtype == b.dtype
+        assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 2e-2
+
+
+def test_the_head_forms_logits_only_at_supervised_positions_a_chunk_at_a_time_without_recomputing():
+    """Every product with the vocabulary covers at most a chunk of supervised positions, and each supervised position
+    goes through the student's head three times (logits, their gradient w.r.t. the hidden state and w.r.t. the weight:
+    nothing recomputed) and the teacher's once; L_diff and L_KL share their logits."""
+    torch.manual_seed(0)
+    head, teacher_head = nn.Linear(32, 96, bias=False), nn.Linear(32, 96, bias=False)
+    ar_hidden, diffusion_hidden, ar_labels, block_labels = ragged_hidden_states(torch.float32)
+    ar_hidden.requires_grad_()
+    diffusion_hidden.requires_grad_()
+    recorder = MatmulRecorder()
+    with recorder:
+        chunked_total(ar_hidden, diffusion_hidden, head, ar_labels, block_labels, torch.randn_like(diffusion_hidden),
+                      teacher_head, chunk_elements=4 * 96).backward()
+    supervised_ar, supervised_masked = int((ar_labels != IGNORE_INDEX).sum()), int((block_labels != IGNORE_INDEX).sum())
+    positions = []
+    for m, k, n in recorder.products:
+        assert 96 in (m, k, n)
+        positions.append(k if m == 96 else m)  # (positions, 32) @ (32, 96), (positions, 96) @ (96, 32), (96, p) @ (p, 32)
+    assert max(positions) == 4
+    assert sum(positions) == 3 * (supervised_ar + supervised_masked) + supervised_masked
+
+
+def test_a_second_backward_through_the_chunked_losses_is_a_clear_error():
+    head = nn.Linear(32, 96, bias=False)
+    ar_hidden, diffusion_hidden, ar_labels, block_labels = ragged_hidden_states(torch.float32)
+    loss = training_losses(ar_hidden.requires_grad_(), diffusion_hidden, head, ar_labels, block_labels)["loss"]
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward runs once"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("partitioned", [False, True])
+def test_a_head_the_chunked_losses_cannot_read_is_a_clear_error(partitioned):
+    head = nn.Linear(32, 96, bias=not partitioned)
+    if partitioned:  # what a ZeRO-3 parameter looks like outside its module's forward
+        head.weight = nn.Parameter(torch.empty(0))
+    ar_hidden, diffusion_hidden, ar_labels, block_labels = ragged_hidden_states(torch.float32)
+    with pytest.raises(RuntimeError, match="without bias|must be gathered"):
+        training_losses(ar_hidden, diffusion_hidden, head, ar_labels, block_labels)

@@ -7,7 +7,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from .collator import D3DCollator
-from .losses import DFLASH_GAMMA, LOGITS_CHUNK_ELEMENTS, ar_loss, diffusion_loss, distillation_loss
+from .losses import DFLASH_GAMMA, LOGITS_CHUNK_ELEMENTS, training_losses
 
 
 @dataclass
@@ -37,29 +37,23 @@ def d3d_loss_terms(
 ) -> dict[str, torch.Tensor]:
     """One packed forward pass and the loss terms: `loss`, `diffusion`, `ar` and, with a teacher, `kl`.
     `model` may be wrapped (DDP): the packed pass goes through its `forward` (`anchors=...`) and returns final hidden
-    states; the losses apply `head` (default: `model.get_output_embeddings()`, pass the unwrapped model's) only at
-    supervised positions, `chunk_elements` logits at a time (see `trainer.losses`).
+    states; the losses read `head`'s weight (default: `model.get_output_embeddings()`, pass the unwrapped model's) only
+    at supervised positions, `chunk_elements` logits at a time, gradients formed chunk by chunk (see `trainer.losses`).
 
-    `loss = L_diff + ar_weight * L_AR (+ L_KL)`; inputs as produced by `D3DCollator`."""
+    `loss = L_diff + ar_weight * L_AR (+ L_KL)`, differentiable; the terms are detached (for logging). Inputs as
+    produced by `D3DCollator`."""
     packed = {name: inputs[name] for name in ("input_ids", "anchors", "attention_mask") if name in inputs}
     head = head if head is not None else model.get_output_embeddings()
     outputs = model(**packed, hidden_states_only=True)
-    block_labels = inputs["block_labels"]
-    terms = {
-        "diffusion": diffusion_loss(outputs.diffusion_hidden_states, head, block_labels, gamma, chunk_elements),
-        "ar": ar_loss(outputs.ar_hidden_states, head, inputs["ar_labels"], chunk_elements),
-    }
-    terms["loss"] = terms["diffusion"] + ar_weight * terms["ar"]
+    teacher_hidden = None
     if teacher is not None:
         teacher_head = teacher_head if teacher_head is not None else teacher.get_output_embeddings()
         with torch.no_grad():
             teacher_hidden = teacher(**packed, hidden_states_only=True).diffusion_hidden_states
-        terms["kl"] = distillation_loss(
-            outputs.diffusion_hidden_states, head, teacher_hidden, teacher_head, block_labels, gamma, kl_margin,
-            chunk_elements,
-        )
-        terms["loss"] = terms["loss"] + terms["kl"]
-    return terms
+    return training_losses(
+        outputs.ar_hidden_states, outputs.diffusion_hidden_states, head, inputs["ar_labels"], inputs["block_labels"],
+        gamma, ar_weight, teacher_hidden, teacher_head, kl_margin, chunk_elements,
+    )
 
 
 def training_attention(requested: str, device: torch.device) -> str:
