@@ -129,7 +129,12 @@ def test_the_assistants_row_drafts_where_transformers_built_its_processors():
 def proposing_sampling(source, monkeypatch) -> list[RowSampling]:
     """Every `RowSampling` the assistant hands `source.propose` (the real one runs)."""
     handed, propose = [], source.propose
-    monkeypatch.setattr(source, "propose", lambda contexts, sampling: handed.extend(sampling) or propose(contexts, sampling))
+
+    def noted(contexts, sampling):
+        handed.extend(sampling)
+        return propose(contexts, sampling)
+
+    monkeypatch.setattr(source, "propose", noted)
     return handed
 
 
