@@ -19,6 +19,17 @@ from .sources_d3d import DEFAULT_FANOUT, BlockSource, RowSampling, SuccessorSour
 INITIAL_CAPACITY = 1024
 
 
+def processors_device(logits_processor: LogitsProcessorList) -> torch.device | None:
+    """Where `logits_processor` was built: the device of the first tensor its processors hold (transformers builds
+    the target's processors on the target's input device: MinNewTokens' EOS ids, SuppressTokens' ids, ...; that
+    device reaches an assistant through them only); None when none holds one (they run wherever the logits are)."""
+    for processor in logits_processor:
+        for value in getattr(processor, "__dict__", {}).values():
+            if isinstance(value, torch.Tensor):
+                return value.device
+    return None
+
+
 class AssistantSession:
     """What transformers' assisted loop holds in the assistant's `past_key_values` slot for one `generate` call. It
     reports no cached tokens, so transformers never crops it; the source keeps the drafter cache itself."""
@@ -106,8 +117,11 @@ class D3DAssistant:
         self._capacity = max(capacity or 0, len(context) + INITIAL_CAPACITY)
         self.source.allocate(1, self._capacity + 1)
         self.source.add(0, context)
-        sampling = RowSampling(LogitsProcessorList(logits_processor or []), bool(do_sample),
-                               torch.Generator(device=self.source.device).manual_seed(int(torch.randint(2**62, (1,)))))
+        processors = LogitsProcessorList(logits_processor or [])
+        device = processors_device(processors)
+        generator = torch.Generator(device=device or self.source.device).manual_seed(
+            int(torch.randint(2**62, (1,)))) if do_sample else None
+        sampling = RowSampling(processors, bool(do_sample), generator, device)
         if capacity is None or self._session is None:
             self._session = AssistantSession(context, sampling)
             self.generation_stats = RoundRecord()
@@ -167,4 +181,4 @@ def block_assistant(drafter) -> D3DAssistant:
     return D3DAssistant(BlockSource(drafter))
 
 
-__all__ = ["AssistantSession", "D3DAssistant", "D3DAssistedGenerator", "block_assistant"]
+__all__ = ["AssistantSession", "D3DAssistant", "D3DAssistedGenerator", "block_assistant", "processors_device"]

@@ -7,12 +7,15 @@ import threading
 import pytest
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList, StopStringCriteria
-from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor, SuppressTokensLogitsProcessor
+from transformers.generation.logits_process import (MinNewTokensLengthLogitsProcessor, SuppressTokensLogitsProcessor,
+                                                    TemperatureLogitsWarper, TopKLogitsWarper)
 
 from conftest import tiny_target, word_tokenizer
 from host_syncs import HostSyncs
-from modeling_d3d import BlockSource, D3DForBlockDiffusion, RowSettings, SpeculativeEngine, SuccessorSource
+from modeling_d3d import (BlockSource, D3DAssistedGenerator, D3DForBlockDiffusion, RowSettings, SpeculativeEngine,
+                          SuccessorSource)
 from modeling_d3d import engine_d3d, sources_d3d, streams_d3d
+from modeling_d3d.assistant_d3d import block_assistant, processors_device
 from modeling_d3d.generation_d3d import speculative_generate
 from modeling_d3d.settings_d3d import row_settings
 from modeling_d3d.sources_d3d import RowSampling, drafts_from_logits
@@ -98,6 +101,76 @@ def test_rows_draft_with_processors_on_the_targets_device_and_match_the_target_a
     for key, prompt in enumerate(prompts):
         assert outputs[key] == alone(target, prompt, 20, min_new_tokens=6, eos_token_id=7, pad_token_id=7,
                                      suppress_tokens=[11, 12])
+
+
+def test_the_assistant_learns_the_targets_device_from_the_processors_transformers_hands_it():
+    """transformers builds the target's processors on the target's input device and passes them to the assistant;
+    that device reaches the assistant through them only (its input ids arrive on the assistant's own device)."""
+    assert processors_device(processors_on("meta")) == torch.device("meta")
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(5)])
+    assert processors_device(warpers) is None and processors_device(LogitsProcessorList()) is None
+    assert processors_device(warpers + processors_on("meta")) == torch.device("meta")
+
+
+def test_the_assistants_row_drafts_where_transformers_built_its_processors():
+    """`assistant_model=` with the drafter on another device than the target ("meta" stands in for the target's
+    GPU): the row the assistant drafts has its drafter logits processed where its processors live, and its drafts
+    come out there (transformers moves them to the target's device anyway)."""
+    _, drafter = pair()
+    assistant = block_assistant(drafter)
+    session = assistant._start([1, 2, 3], processors_on("meta"), do_sample=False)
+    proposal = assistant.source.propose([[1, 2, 3]], [session.sampling])
+    assert not proposal.errors, proposal.errors  # processors applied on the drafter's device fail there
+    assert proposal.drafts.device.type == "meta" and proposal.drafts.shape == (1, 3)
+    assert session.sampling.device == torch.device("meta")
+    assistant.close()
+
+
+def proposing_sampling(source, monkeypatch) -> list[RowSampling]:
+    """Every `RowSampling` the assistant hands `source.propose` (the real one runs)."""
+    handed, propose = [], source.propose
+
+    def noted(contexts, sampling):
+        handed.extend(sampling)
+        return propose(contexts, sampling)
+
+    monkeypatch.setattr(source, "propose", noted)
+    return handed
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_assistant_rows_draft_with_processors_on_the_targets_device_and_match_the_target_alone(kind, monkeypatch):
+    """Through `target.generate(..., assistant_model=...)`, greedy with min_new_tokens and suppress_tokens: the row
+    drafts on the device of the target's processors, and the output equals the target alone."""
+    target, drafter = pair(2)
+    assistant = block_assistant(drafter) if kind == "sync" else D3DAssistedGenerator(drafter, coverage=3, fanout=2)
+    handed = proposing_sampling(assistant.source, monkeypatch)
+    prompt = [4, 5, 6, 7, 8, 9]
+    settings = dict(min_new_tokens=6, eos_token_id=7, pad_token_id=7, suppress_tokens=[11, 12])
+    with assistant:
+        out = target.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, assistant_model=assistant,
+                              **settings)
+    assert handed and all(s.device == target.device and s.generator is None for s in handed)
+    assert out[0, len(prompt):].tolist() == alone(target, prompt, 20, **settings)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_assistant_rows_sample_with_a_generator_on_the_device_of_the_targets_processors(kind, monkeypatch):
+    """Sampling through `assistant_model=` with processors that hold tensors: the row's draws use a generator on
+    their device, and the target's constraints hold (no suppressed token, no EOS before min_new_tokens)."""
+    target, drafter = pair(3)
+    assistant = block_assistant(drafter) if kind == "sync" else D3DAssistedGenerator(drafter, coverage=3, fanout=2)
+    handed = proposing_sampling(assistant.source, monkeypatch)
+    prompt = [4, 5, 6]
+    torch.manual_seed(0)
+    with assistant:
+        for _ in range(4):
+            out = target.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=True, temperature=0.5,
+                                  min_new_tokens=6, eos_token_id=7, pad_token_id=7, suppress_tokens=[11, 12],
+                                  assistant_model=assistant)
+            added = out[0, len(prompt):].tolist()
+            assert not {11, 12} & set(added) and 7 not in added[:6]
+    assert handed and all(s.do_sample and s.device == target.device == s.generator.device for s in handed)
 
 
 # 7. Host syncs per round
