@@ -258,10 +258,15 @@ def budget_seconds(given: float | None, default: float) -> float:
     return default if given is None else given
 
 
+def require_cuda(smoke: bool, command: str = "gpu-check") -> None:
+    """ValueError (exit 2) naming `d3d COMMAND --smoke` unless a CUDA GPU is visible or `smoke`."""
+    if not smoke and not torch.cuda.is_available():
+        raise ValueError(f"{command} needs a CUDA GPU (none is visible); on a CPU run `d3d {command} --smoke`")
+
+
 def run(args: argparse.Namespace) -> int:
     """Returns 0 when no check failed or errored, 1 otherwise; raises ValueError (exit 2) without CUDA and --smoke."""
-    if not args.smoke and not torch.cuda.is_available():
-        raise ValueError("gpu-check needs a CUDA GPU (none is visible); on a CPU run `d3d gpu-check --smoke`")
+    require_cuda(args.smoke)
     budget_s = budget_seconds(args.budget_s, 420.0)
     shapes = replace(SMOKE_SHAPES if args.smoke else Shapes(), **size_overrides(args))
     checks = choose_checks(args.only, args.smoke)

@@ -28,7 +28,7 @@ from modeling_d3d import D3DForBlockDiffusion
 
 from .gpu_check import Check, run_checks
 from .gpu_check_models import SMOKE_SHAPES, Context, Shapes, model_config, release_memory
-from .identity import NEAR_TIE, classify
+from .identity import NEAR_TIE, classify, top2_margin
 
 REPO = Path(__file__).resolve().parent.parent
 BUDGET_S = 600.0  # the default time budget of the vLLM checks (two engine start-ups with compilation on a GPU)
@@ -224,9 +224,8 @@ def compare_drafts(drafter, recorded: list[dict], limit: int, exact: bool) -> di
                 if got == want:
                     counts["equal"] += 1
                     continue
-                best = block.logits[0, position].topk(2)
-                margin = float(best.values[0] - best.values[1]) / max(1.0, float(best.values[0].abs()))
-                if not exact and margin <= NEAR_TIE and best.indices.tolist() == [want, got]:
+                top2, margin = top2_margin(block.logits[0, position])
+                if not exact and margin <= NEAR_TIE and top2 == [want, got]:
                     counts["near_ties"] += 1
                     continue
                 counts["mismatches"] += 1

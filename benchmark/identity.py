@@ -15,6 +15,13 @@ def checks_exactly(target) -> bool:
     return target.dtype == torch.float32
 
 
+def top2_margin(logits: torch.Tensor) -> tuple[list[int], float]:
+    """The two best entries of `logits` `(vocab,)` (indices) and their gap relative to the best logit (at least 1 in
+    magnitude): what `NEAR_TIE` is compared with."""
+    best = logits.topk(2)
+    return best.indices.tolist(), float(best.values[0] - best.values[1]) / max(1.0, float(best.values[0].abs()))
+
+
 @torch.no_grad()
 def top2_in_float32(target, ids: list[int]) -> tuple[list[int], float]:
     """The target's two best next tokens after `ids` and their margin relative to the best logit: the logits of its
@@ -26,9 +33,8 @@ def top2_in_float32(target, ids: list[int]) -> tuple[list[int], float]:
     logits = head.weight[candidates].float() @ hidden.float()
     if head.bias is not None:
         logits += head.bias[candidates].float()
-    best = logits.topk(2)
-    margin = float(best.values[0] - best.values[1]) / max(1.0, float(best.values[0].abs()))
-    return candidates[best.indices].tolist(), margin
+    top2, margin = top2_margin(logits)
+    return candidates[top2].tolist(), margin
 
 
 def classify(target, prompts: list[torch.Tensor], reference: list[list[int]], outputs: list[list[int]],
@@ -52,4 +58,4 @@ def classify(target, prompts: list[torch.Tensor], reference: list[list[int]], ou
     return counts
 
 
-__all__ = ["CANDIDATES", "NEAR_TIE", "checks_exactly", "classify", "top2_in_float32"]
+__all__ = ["CANDIDATES", "NEAR_TIE", "checks_exactly", "classify", "top2_in_float32", "top2_margin"]

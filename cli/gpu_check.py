@@ -4,8 +4,6 @@ those of `benchmark.gpu_check_vllm`, run through the vLLM environment."""
 import argparse
 from pathlib import Path
 
-import torch
-
 from benchmark import gpu_check
 
 from . import vllm_env
@@ -32,9 +30,7 @@ def run(args: argparse.Namespace) -> int:
     given = [f"--{name.replace('_', '-')}" for name in ("only", *gpu_check.SIZE_OPTIONS) if getattr(args, name)]
     if given:
         raise ValueError(f"{', '.join(given)}: not options of the vLLM checks (--vllm)")
-    if not args.smoke and not torch.cuda.is_available():
-        raise ValueError("gpu-check --vllm needs a CUDA GPU (none is visible); on a CPU run "
-                         "`d3d gpu-check --vllm --smoke`")
+    gpu_check.require_cuda(args.smoke, "gpu-check --vllm")
     from benchmark import gpu_check_vllm
 
     budget_s = gpu_check.budget_seconds(args.budget_s, gpu_check_vllm.BUDGET_S)

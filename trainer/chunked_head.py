@@ -98,8 +98,7 @@ class _ChunkedHeadLosses(torch.autograd.Function):
         wide = _wide(plan.compute)
         head = weight.to(plan.compute)
         teacher_head = plan.teacher_weight.to(plan.teacher_compute) if plan.teacher_weight is not None else None
-        names = [term.name for group in plan.groups for term in group.terms]
-        values = torch.zeros(len(names), dtype=wide, device=weight.device)
+        values = torch.zeros(sum(len(group.terms) for group in plan.groups), dtype=wide, device=weight.device)
         grad_weight = torch.zeros_like(weight) if plan.weight_needs_grad else None
         grad_hidden = []
         term_index = 0
