@@ -211,52 +211,69 @@ def parameter_count(shape: TrainShape) -> int:
         return sum(p.numel() for p in Qwen3ForCausalLM(shape.config()).parameters())
 
 
-def projection(costs: list[StepCost], measured: TrainShape, itemsize: int, paper: TrainShape = PAPER_8B,
-               chunk_elements: int = LOGITS_CHUNK_ELEMENTS) -> dict:
-    """Per-device memory of the paper's recipe, projected from measured per-position figures at `measured`'s width.
+def _bytes_saved(model: D3DForBlockDiffusion, batch: dict[str, torch.Tensor], autocast: bool) -> int:
+    """Bytes of the distinct storages autograd saves for backward in one forward pass of the training losses (nothing
+    is run backward)."""
+    storages: dict[int, int] = {}
 
-    One layer's activations per packed position: from hidden-states steps at two depths, the difference less that
-    layer's gradient; from one depth, the whole step's peak less every gradient, divided by the depth (an upper bound:
-    the embedding, final norm and the loss's buffers count as layer activations). With gradient checkpointing a layer
-    keeps its input (`itemsize * hidden` per position, or the measured difference of two checkpointed depths) and one
-    layer at a time is recomputed. Logits: the full-logits step's peak less the hidden-states step's, per position.
-    Weights and gradients in bf16, 8-bit AdamW: 2 + 2 + 2 bytes per parameter. `itemsize`: bytes per element of the
-    measured steps' parameters."""
-    def rows(path, checkpointing):
-        return {c.layers: c for c in costs if c.loss_path == path and c.gradient_checkpointing == checkpointing}
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
 
-    plain_rows, checkpointed_rows, full_rows = rows("hidden-states", False), rows("hidden-states", True), rows("full-logits", False)
-    if not plain_rows:
-        raise ValueError("the projection needs a hidden-states step without gradient checkpointing")
+    device = next(model.parameters()).device
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
+            torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+        del d3d_loss_terms(model, batch, DFLASH_GAMMA, 1.0)["loss"]
+    return sum(storages.values())
+
+
+def layer_activation_bytes(shape: TrainShape, device: str, dtype: torch.dtype, autocast: bool = False) -> float:
+    """What one more decoder layer keeps for backward per packed position (bytes, no gradient checkpointing), counted
+    rather than inferred from memory peaks: the storages autograd saves in forward passes at `shape.layers` and one
+    more layer, each with one and with two sequences of `shape`. The double difference keeps only what grows with
+    both depth and positions: weights and their autocast copies, and what the layers share (the attention mask, the
+    rotary tables, the embedding output, the loss's buffers), cancel."""
+    one = replace(shape, batch=1)
+    saved = {}
+    for layers in (one.layers, one.layers + 1):
+        model = random_drafter(replace(one, layers=layers), device, dtype).train()
+        for rows in (1, 2):
+            saved[layers, rows] = _bytes_saved(model, random_batch(replace(one, layers=layers, batch=rows), device), autocast)
+    deeper, shallower = one.layers + 1, one.layers
+    grown = (saved[deeper, 2] - saved[deeper, 1]) - (saved[shallower, 2] - saved[shallower, 1])
+    return grown / one.packed_positions
+
+
+def projection(costs: list[StepCost], layer_bytes: float, measured: TrainShape, itemsize: int,
+               paper: TrainShape = PAPER_8B, chunk_elements: int = LOGITS_CHUNK_ELEMENTS) -> dict:
+    """Per-device memory of the paper's recipe, projected from per-position figures at `measured`'s width.
+
+    `layer_bytes`: one layer's activations per packed position (`layer_activation_bytes`). With gradient checkpointing
+    a layer keeps its input (`itemsize * hidden` per position) and one layer at a time is recomputed. Logits: the
+    full-logits step's measured peak less the hidden-states step's, per position (when both were measured). Weights
+    and gradients in bf16, 8-bit AdamW: 2 + 2 + 2 bytes per parameter. `itemsize`: bytes per element of the measured
+    steps' parameters."""
+    def rows(path):
+        return {c.layers: c for c in costs if c.loss_path == path and not c.gradient_checkpointing}
+
+    plain_rows, full_rows = rows("hidden-states"), rows("full-logits")
     positions = measured.packed_positions * measured.batch
-    depths = sorted(plain_rows)
-    low = depths[0]
-
-    def layer_parameters(layers: int) -> int:
-        return parameter_count(replace(measured, layers=layers + 1)) - parameter_count(replace(measured, layers=layers))
-
-    def difference(by_depth: dict) -> float:
-        high = sorted(by_depth)[1]
-        return ((by_depth[high].peak_bytes - by_depth[low].peak_bytes) / (high - low) - itemsize * layer_parameters(low)) / positions
-
-    if len(depths) >= 2:
-        plain, method = difference(plain_rows), f"difference of {depths[0]} and {depths[1]} layers"
-    else:
-        gradients = itemsize * parameter_count(replace(measured, layers=low))
-        plain, method = (plain_rows[low].peak_bytes - gradients) / (low * positions), f"one depth ({low}), an upper bound"
-    kept = difference(checkpointed_rows) if low in checkpointed_rows and len(checkpointed_rows) >= 2 else itemsize * measured.hidden
-    logits_per_position = ((full_rows[low].peak_bytes - plain_rows[low].peak_bytes) / positions
-                           if low in full_rows else None)
+    both = sorted(set(plain_rows) & set(full_rows))
+    logits_per_position = ((full_rows[both[0]].peak_bytes - plain_rows[both[0]].peak_bytes) / positions
+                           if both else None)
+    kept = itemsize * measured.hidden
     parameters = parameter_count(paper)
     paper_positions = paper.packed_positions * paper.batch
     states = {"weights (bf16)": 2 * parameters, "gradients (bf16)": 2 * parameters, "8-bit AdamW states": 2 * parameters}
-    activations = {"activations, no checkpointing": plain * paper.layers * paper_positions,
-                   "activations, gradient checkpointing": (kept * paper.layers + plain) * paper_positions}
+    activations = {"activations, no checkpointing": layer_bytes * paper.layers * paper_positions,
+                   "activations, gradient checkpointing": (kept * paper.layers + layer_bytes) * paper_positions}
     logits = {"logits, full-logits losses": logits_per_position * paper_positions if logits_per_position else None,
               "logits, hidden-states losses (one chunk, ~4 float32 copies)": 4 * 4 * chunk_elements}
     return {"parameters": parameters, "paper_positions_per_device": paper_positions, "states": states,
             "activations": activations, "logits": logits, "per_position": {
-                "layer_activation_bytes": plain, "layer_activation_method": method,
+                "layer_activation_bytes": layer_bytes,
+                "layer_activation_method": "counted: storages saved for backward inside the decoder layers",
                 "checkpointed_layer_bytes": kept, "full_logits_bytes": logits_per_position}}
 
 
@@ -307,5 +324,5 @@ def write(costs: list[StepCost], projected: dict | None, output: Path) -> None:
 
 
 __all__ = ["LOSS_PATHS", "PAPER_8B", "SHAPES", "PeakMemory", "StepCost", "TrainShape", "cost_table",
-           "full_logits_loss_terms", "projection", "projection_table", "random_batch", "random_drafter", "step_costs",
-           "write"]
+           "full_logits_loss_terms", "layer_activation_bytes", "projection", "projection_table", "random_batch",
+           "random_drafter", "step_costs", "write"]

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from benchmark.train_cost import LOSS_PATHS, SHAPES, cost_table, projection, projection_table, step_costs, write
+from benchmark.train_cost import (LOSS_PATHS, SHAPES, cost_table, layer_activation_bytes, projection, projection_table,
+                                  step_costs, write)
 
 from . import dtype
 
@@ -34,8 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="steps per row: one warm-up, the median of the rest")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--project", default=None, metavar="SHAPE",
-                        help="project the paper's 8B recipe from SHAPE's rows (two --layers: per-layer activations measured as a "
-                             "difference; one: an upper bound)")
+                        help="project the paper's 8B recipe from SHAPE: per-layer activations counted (the storages a "
+                             "layer saves for backward), logits from SHAPE's two loss paths' peaks")
     parser.add_argument("--output", default=None, help="folder for bench-train.json")
     dtype.add_argument(parser)
 
@@ -49,8 +50,8 @@ def run(args: argparse.Namespace) -> int:
     layers = parse_ints(args.layers, "--layers")
     if args.repeats < 1:
         raise ValueError("--repeats must be >= 1")
-    if args.project is not None and (args.project not in shapes or "hidden-states" not in paths):
-        raise ValueError("--project SHAPE needs SHAPE among --shapes and the hidden-states loss path")
+    if args.project is not None and args.project not in shapes:
+        raise ValueError("--project SHAPE needs SHAPE among --shapes")
     checkpointing = {"no": [False], "yes": [True], "both": [False, True]}[args.gradient_checkpointing]
     choice = dtype.choose_dtype(args.dtype, args.device)
     print(choice)
@@ -70,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     projected = None
     if args.project is not None:
         measured = [cost for cost in costs if cost.shape == args.project]
-        projected = projection(measured, SHAPES[args.project], choice.dtype.itemsize)
+        layer_bytes = layer_activation_bytes(SHAPES[args.project], args.device, choice.dtype, choice.bf16)
+        projected = projection(measured, layer_bytes, SHAPES[args.project], choice.dtype.itemsize)
         print("\n" + projection_table(projected))
     if args.output:
         write(costs, projected, Path(args.output))

@@ -1,11 +1,12 @@
 """`d3d bench-train` at a tiny size (the CI smoke test) and the training options it measures."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
-from benchmark.train_cost import SHAPES, full_logits_loss_terms, random_batch, random_drafter
+from benchmark.train_cost import SHAPES, full_logits_loss_terms, layer_activation_bytes, random_batch, random_drafter
 from cli.main import main
 from trainer.d3d_trainer import d3d_loss_terms, training_attention
 
@@ -20,6 +21,8 @@ def test_bench_train_measures_both_loss_paths_and_projects(tmp_path, capsys):
         losses = [step["loss"] for step in steps if step["layers"] == layers]
         assert max(losses) - min(losses) < 1e-5
     assert result["projection"]["parameters"] > 8e9
+    counted = layer_activation_bytes(SHAPES["tiny"], "cpu", torch.float32)
+    assert result["projection"]["per_position"]["layer_activation_bytes"] == counted > 0
     printed = capsys.readouterr().out
     assert "PROJECTION (not measured)" in printed and "| tiny | hidden-states | yes | 2 |" in printed
 
@@ -64,3 +67,12 @@ def test_training_attention_is_flex_on_cuda_only_by_default():
     assert training_attention("eager", torch.device("cpu")) == "eager"
     with pytest.raises(ValueError):
         training_attention("flash_attention_2", torch.device("cpu"))
+
+
+def test_a_layers_activations_are_counted_exactly():
+    """Counted from what autograd saves, not inferred from memory peaks: the same at any depth and in every run, at
+    least a layer's input and its attention and MLP outputs (3 x hidden float32 values per position)."""
+    shape = SHAPES["tiny"]
+    counts = [layer_activation_bytes(replace(shape, layers=depth), "cpu", torch.float32) for depth in (1, 2, 1)]
+    assert counts[0] == counts[1] == counts[2]
+    assert counts[0] >= 3 * 4 * shape.hidden
