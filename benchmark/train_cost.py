@@ -239,7 +239,8 @@ def layer_activation_bytes(shape: TrainShape, device: str, dtype: torch.dtype, a
     for layers in (one.layers, one.layers + 1):
         model = random_drafter(replace(one, layers=layers), device, dtype).train()
         for rows in (1, 2):
-            saved[layers, rows] = _bytes_saved(model, random_batch(replace(one, layers=layers, batch=rows), device), autocast)
+            batch = random_batch(replace(one, layers=layers, batch=rows), device)
+            saved[layers, rows] = _bytes_saved(model, batch, autocast)
     deeper, shallower = one.layers + 1, one.layers
     grown = (saved[deeper, 2] - saved[deeper, 1]) - (saved[shallower, 2] - saved[shallower, 1])
     return grown / one.packed_positions
