@@ -62,7 +62,21 @@ def test_the_matmul_is_timed_once_a_process(cpu, monkeypatch):
     calls = []
     monkeypatch.setattr(dtype, "matmul_seconds", lambda kind: calls.append(kind) or 1.0)
     dtype.choose_dtype(), dtype.choose_dtype()
-    assert calls == [torch.bfloat16, torch.float32]
+    assert calls == [torch.bfloat16, torch.float32] * 5
+
+
+def test_a_burst_of_load_during_the_timing_does_not_decide_the_dtype(cpu, monkeypatch):
+    """Native bf16 as fast as float32, but the machine is busy during the first timed matmul (3x slower): the
+    alternating best-of rounds still see bf16 as fast (timing bf16 once, then float32 once, chose float32)."""
+    cpu(NATIVE)
+    calls = []
+
+    def busy_at_first(kind: torch.dtype) -> float:
+        calls.append(kind)
+        return 3.0 if len(calls) == 1 else 1.0
+
+    monkeypatch.setattr(dtype, "matmul_seconds", busy_at_first)
+    assert dtype.choose_dtype().dtype == torch.bfloat16
 
 
 def test_cuda_follows_its_native_bf16_support(monkeypatch):
