@@ -52,11 +52,11 @@ class QuickstartSizes:
     # The AR assistant: a small causal LM of the target's family, the drafter's pretrained initialisation (as the
     # paper's D3D-1.7B drafter for Qwen3-32B starts from Qwen3-1.7B) and the HF assisted-generation baseline.
     assistant: ModelSize = field(default_factory=lambda: ModelSize(128, 2, 2, 1, 384, 400, 16, 2e-3))
-    drafter_prompts: int = 1200
+    drafter_prompts: int = 1600
     response_tokens: int = 128
     block_size: int = 16
     num_anchors: int = 16
-    drafter_steps: int = 900
+    drafter_steps: int = 1200
     drafter_batch_size: int = 8
     drafter_learning_rate: float = 1e-3
     prune_stages: int = 1  # 2 -> 1 layer: the stage that decodes fastest through the engine is kept
