@@ -89,4 +89,12 @@ def pydoc_prompts(max_chars: int = 400) -> list[str]:
     return [topics[name][:max_chars] for name in held_out]
 
 
-__all__ = ["function_prompts", "humaneval_prompts", "pydoc_prompts", "split_topics", "stdlib_sources", "training_texts"]
+def quality_texts() -> dict[str, list[str]]:
+    """Text no model here trains on, to compare causal LMs whatever their tokenizer: the held-out `pydoc_data` topics
+    (whole) and the HumanEval prompts."""
+    _, held_out = split_topics()
+    return {"held-out pydoc": [topics[name] for name in held_out], "HumanEval prompts": humaneval_prompts()}
+
+
+__all__ = ["function_prompts", "humaneval_prompts", "pydoc_prompts", "quality_texts", "split_topics", "stdlib_sources",
+           "training_texts"]

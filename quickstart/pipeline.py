@@ -24,8 +24,9 @@ from trainer.data import generate_responses
 from trainer.provenance import DrafterProvenance, record_pruning
 from trainer.pruning import prune
 
-from .corpus import function_prompts, humaneval_prompts, pydoc_prompts, training_texts
-from .pretrain import causal_lm_config, chunked_dataset, perplexity, pretrain, pretraining_arguments, train_tokenizer
+from .corpus import function_prompts, humaneval_prompts, pydoc_prompts, quality_texts, training_texts
+from .pretrain import (bits_per_byte, causal_lm_config, chunked_dataset, perplexity, pretrain, pretraining_arguments,
+                       train_tokenizer)
 
 
 @dataclass
@@ -80,14 +81,17 @@ def _done(folder: Path) -> bool:
 
 
 def _causal_lm(folder: Path, size: ModelSize, tokenizer, vocab_size: int, dataset: Dataset, choice: DtypeChoice) -> None:
-    """Train a causal LM from scratch on `dataset` (its first rows held out for perplexity) and save it."""
+    """Train a causal LM from scratch on `dataset` (its first rows held out for perplexity) and save it, with its
+    held-out perplexity and its bits per byte on `quality_texts` in `perplexity.json`."""
     config = causal_lm_config(tokenizer, vocab_size, size.hidden, size.layers, size.heads, size.kv_heads, size.mlp)
     held_out = dataset.select(range(min(64, len(dataset) // 10)))
     args = pretraining_arguments(folder, size.steps, size.batch_size, size.learning_rate, choice.bf16)
     model = pretrain(config, dataset.select(range(len(held_out), len(dataset))), args)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    (folder / "perplexity.json").write_text(json.dumps({"held_out_perplexity": perplexity(model, held_out)}))
+    quality = {name: bits_per_byte(model, tokenizer, texts) for name, texts in quality_texts().items()}
+    (folder / "perplexity.json").write_text(json.dumps({"held_out_perplexity": perplexity(model, held_out),
+                                                        "bits_per_byte": quality}))
     shutil.rmtree(folder / "checkpoints", ignore_errors=True)
 
 

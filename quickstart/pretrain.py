@@ -1,5 +1,6 @@
 """Training the embedded default's tokenizer and causal LMs from scratch (the target and the AR assistant)."""
 
+import math
 from pathlib import Path
 
 import torch
@@ -99,5 +100,20 @@ def perplexity(model, dataset: Dataset, batch_size: int = 8) -> float:
     return float(torch.tensor(losses).mean().exp())
 
 
-__all__ = ["END_OF_TEXT", "causal_lm_config", "chunked_dataset", "perplexity", "pretrain", "pretraining_arguments",
-           "train_tokenizer"]
+@torch.no_grad()
+def bits_per_byte(model, tokenizer, texts: list[str], window: int = 256) -> float:
+    """The model's negative log-likelihood of `texts` in bits per UTF-8 byte, each text scored in `window`-token pieces
+    (a piece's first token is context only): unlike perplexity, comparable between models with different tokenizers."""
+    nats, size = 0.0, 0
+    for text in texts:
+        ids = tokenizer(text).input_ids
+        size += len(text.encode())
+        for start in range(0, len(ids) - 1, window):
+            piece = torch.tensor([ids[start : start + window]], device=model.device)
+            logits = model(piece).logits[0, :-1].float()
+            nats += torch.nn.functional.cross_entropy(logits, piece[0, 1:], reduction="sum").item()
+    return nats / math.log(2) / size
+
+
+__all__ = ["END_OF_TEXT", "bits_per_byte", "causal_lm_config", "chunked_dataset", "perplexity", "pretrain",
+           "pretraining_arguments", "train_tokenizer"]

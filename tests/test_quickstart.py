@@ -1,17 +1,22 @@
 """The whole quickstart pipeline at micro size: every artifact, lossless methods, remote-code drafter, stage reuse."""
 
 import json
+import math
 import re
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoTokenizer, Qwen3ForCausalLM
 
 from cli.demo import RANDOM_NOTE, SPEEDUP_NOTE
 from cli.dtype import choose_dtype
 from cli.main import main
 from conftest import demo_table, run_without_project
-from quickstart.corpus import function_prompts, humaneval_prompts, pydoc_prompts, split_topics, training_texts
+from quickstart.corpus import (function_prompts, humaneval_prompts, pydoc_prompts, quality_texts, split_topics,
+                               training_texts)
 from quickstart.pipeline import MICRO, run_quickstart
+from quickstart.pretrain import bits_per_byte
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +110,27 @@ def test_the_readmes_hub_example_runs_on_the_quickstarts_folders_without_the_pro
     assert result.returncode == 0, result.stderr[-3000:]
     text, tau = result.stdout.rstrip().rsplit("\n", 1)
     assert text.startswith("def fibonacci(n):") and float(tau) >= 1.0
+
+
+def test_each_causal_lm_records_its_bits_per_byte_on_text_it_never_saw(output):
+    for name in ("target", "assistant"):
+        quality = json.loads((output / name / "perplexity.json").read_text())["bits_per_byte"]
+        assert set(quality) == set(quality_texts()) and all(0 < value < 32 for value in quality.values())
+    texts = set(training_texts(MICRO.corpus_bytes))
+    assert not any(held in text for held in quality_texts()["held-out pydoc"] for text in texts)
+
+
+def test_bits_per_byte_is_the_models_loss_over_the_texts_bytes(output):
+    """One piece: the model's mean next-token loss x scored tokens / ln 2 / UTF-8 bytes; cut into pieces, each piece's
+    first token is context only, so the figure rises."""
+    tokenizer = AutoTokenizer.from_pretrained(output / "tokenizer")
+    model = Qwen3ForCausalLM.from_pretrained(output / "target", dtype=torch.float32).eval()
+    text = quality_texts()["held-out pydoc"][0][:400] + " é"
+    ids = torch.tensor([tokenizer(text).input_ids])
+    loss = model(ids, labels=ids).loss.item()
+    expected = loss * (ids.shape[1] - 1) / math.log(2) / len(text.encode())
+    assert bits_per_byte(model, tokenizer, [text], window=ids.shape[1]) == pytest.approx(expected, rel=1e-5)
+    assert bits_per_byte(model, tokenizer, [text], window=8) != pytest.approx(expected, rel=1e-3)
 
 
 def test_a_second_run_reuses_finished_stages(output):
