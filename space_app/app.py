@@ -27,13 +27,17 @@ INTRO = """# D3D: Decoupled Diffusion Drafting
 The drafter proposes a block of `b - 1` tokens in one forward pass; the target verifies it (lossless: greedy output is
 the target's own). The target alone runs first, then D3D async on the same prompt, so neither slows the other down."""
 
-# Prompts like the quickstart's training text (standard-library code, pydoc prose), which any code model continues.
+# Standard-library-style code, on which the quickstart's target writes its most Python-shaped text (it learned little
+# prose: on pydoc passages it writes lines of `#`; see docs/space.md).
 EXAMPLES = {
-    "stdlib code: re.escape": 'def escape(pattern):\n    """Escape special characters in a string.\n    """\n',
-    "stdlib code: heapq.heapify": 'def heapify(x):\n    """Transform list into a heap, in-place, in O(len(x)) time.\n    """\n',
-    "pydoc prose: the for statement": (
-        'The "for" statement\n*******************\n\nThe "for" statement is used to iterate over the elements of a '
-        "sequence\n(such as a string, tuple or list) or other iterable object:\n"
+    "code: a loop body": (
+        'def find(names, prefix):\n    """Return the names that start with prefix."""\n    result = []\n'
+        "    for name in names:\n        if "
+    ),
+    "code: re.escape": 'def escape(pattern):\n    """Escape special characters in a string.\n    """\n',
+    "code: a class": (
+        'class Stack:\n    """A last-in, first-out list."""\n\n    def __init__(self):\n        self.items = []\n\n'
+        "    def push(self, item):\n        "
     ),
 }
 
