@@ -274,7 +274,7 @@ def projection(costs: list[StepCost], layer_bytes: float, measured: TrainShape, 
     return {"parameters": parameters, "paper_positions_per_device": paper_positions, "states": states,
             "activations": activations, "logits": logits, "per_position": {
                 "layer_activation_bytes": layer_bytes,
-                "layer_activation_method": "counted: storages saved for backward inside the decoder layers",
+                "layer_activation_method": "counted: storages saved for backward per added layer",
                 "checkpointed_layer_bytes": kept, "full_logits_bytes": logits_per_position}}
 
 
@@ -311,7 +311,7 @@ def projection_table(result: dict, paper: TrainShape = PAPER_8B) -> str:
                 if activation is None or logits is None:
                     continue
                 total = state_bytes + activation + logits
-                label = (f"{'states sharded /8 (ZeRO-3/FSDP)' if sharded else 'DDP'}, "
+                label = (f"{'states sharded /8 (ZeRO-3/FSDP: not run by d3d train today)' if sharded else 'DDP'}, "
                          f"{activation_name.split(', ')[1]}, {logits_name.split(', ')[1].split(' (')[0]}")
                 lines.append(f"| {label} | {total / gb:.1f} | {'yes' if total < 80 * gb else 'no'} | "
                              f"{'yes' if total < 141 * gb else 'no'} |")
