@@ -5,6 +5,10 @@ prompts (standard error of the per-prompt tau, and the seed-to-seed range when `
 
     python -m benchmark.ablations --quickstart d3d-output --output d3d-output/ablations --steps 150
 
+With `--pruning-curve DEPTH`, instead: the paper's pruning curve, a DEPTH-layer drafter started from the target's own
+first layers (as D3D-8B starts from Qwen3-8B), trained, then pruned layer by layer with recovery down to one layer,
+tau and measured speedup per depth (`pruning/pruning.md`, `pruning.png`).
+
 Writes `ablations.json` and `ablations.md` into `--output` (never into the quickstart folder).
 """
 
@@ -24,6 +28,7 @@ from modeling_d3d.generation_d3d import speculative_generate
 from quickstart.pipeline import QuickstartSizes, drafter_arguments
 from trainer.d3d_trainer import D3DTrainer
 from trainer.data import load_responses
+from trainer.pruning import drop_layer, prune
 
 from cli.dtype import DtypeChoice, add_argument, choose_dtype
 
@@ -82,6 +87,35 @@ def initial_drafter(quickstart: Path, variant: Variant, block_size: int, tokeniz
         return drafter
     torch.manual_seed(seed)
     return D3DForBlockDiffusion._from_config(drafter.config, dtype=torch.float32)
+
+
+def target_prefix_drafter(quickstart: Path, depth: int, block_size: int, tokenizer) -> D3DForBlockDiffusion:
+    """A drafter with the target's embedding, first `depth` decoder layers, final norm and head: the paper's drafter
+    starts from a pretrained model of its target's size (D3D-8B from Qwen3-8B); this is that start, cut to `depth`."""
+    drafter = D3DForBlockDiffusion.from_backbone(str(quickstart / "target"), block_size=block_size,
+                                                 tokenizer=tokenizer, dtype=torch.float32)
+    if not 1 <= depth <= drafter.config.num_hidden_layers:
+        raise ValueError(f"depth {depth}: the target has {drafter.config.num_hidden_layers} layers")
+    while drafter.config.num_hidden_layers > depth:
+        drafter = drop_layer(drafter, drafter.config.num_hidden_layers - 1)
+    return drafter
+
+
+def pruning_curve(quickstart: Path, output: Path, depth: int, steps: int, train_data, prompts, target, tokenizer,
+                  sizes: QuickstartSizes, choice: DtypeChoice) -> str:
+    """Train a `target_prefix_drafter` for `steps`, then prune it layer by layer down to one layer (the quickstart's
+    recovery steps per stage; layers chosen on the first half of `prompts`, tau and speedup measured on the second
+    half). Writes `output/trained/` and `output/pruning/`; returns the per-depth table (`pruning.md`)."""
+    drafter = target_prefix_drafter(quickstart, depth, sizes.block_size, tokenizer)
+    args = drafter_arguments(output / "trained", sizes, steps, choice)
+    args.disable_tqdm = True
+    D3DTrainer(drafter, args, train_dataset=train_data).train()
+    drafter.eval().save_pretrained(output / "trained")
+    half = len(prompts) // 2
+    prune(drafter, target, train_data, prompts[:half], prompts[half:], output / "pruning",
+          drafter_arguments(output / "pruning", sizes, sizes.recovery_steps, choice), min_layers=1,
+          min_tau_fraction=0.0, max_new_tokens=sizes.response_tokens)
+    return (output / "pruning" / "pruning.md").read_text()
 
 
 def per_prompt_tau(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int) -> list[float]:
@@ -148,6 +182,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="LAMBDA:pretrained|random:K, comma-separated")
     parser.add_argument("--seeds", default="0", help="training seeds, comma-separated")
     parser.add_argument("--held-out", type=int, default=48, help="last N prompts of the data: evaluation, not training")
+    parser.add_argument("--pruning-curve", type=int, default=None, metavar="DEPTH",
+                        help="instead of the variants: a DEPTH-layer drafter from the target's first layers, trained "
+                             "--steps, pruned to one layer (layers chosen on half the held-out prompts, tau and "
+                             "speedup measured on the other half)")
     add_argument(parser, " (of training; tau is always measured in float32)")
     args = parser.parse_args(argv)
     quickstart, output = Path(args.quickstart), Path(args.output)
@@ -160,10 +198,16 @@ def main(argv: list[str] | None = None) -> None:
     print(choice)
     tokenizer = AutoTokenizer.from_pretrained(quickstart / "tokenizer")
     target = Qwen3ForCausalLM.from_pretrained(quickstart / "target", dtype=torch.float32).eval()
+    if args.pruning_curve is not None and not 1 <= args.pruning_curve <= target.config.num_hidden_layers:
+        parser.error(f"--pruning-curve {args.pruning_curve}: the target has {target.config.num_hidden_layers} layers")
     data = load_responses(quickstart / "data")
     train_data = data.select(range(len(data) - args.held_out))
     prompts = [torch.tensor([prompt]) for prompt in data[len(data) - args.held_out:]["prompt"]]
     output.mkdir(parents=True, exist_ok=True)
+    if args.pruning_curve is not None:
+        print(pruning_curve(quickstart, output, args.pruning_curve, args.steps, train_data, prompts, target, tokenizer,
+                            sizes, choice))
+        return
     results = []
     for seed in seeds:
         for variant in variants:

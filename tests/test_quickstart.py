@@ -146,3 +146,23 @@ def test_evaluation_prompts_stay_out_of_training():
     assert held_out and not any(prompt in text for prompt in pydoc_prompts() for text in texts)
     training_prompts = set(function_prompts(500))
     assert not training_prompts & set(humaneval_prompts())
+
+
+def test_the_pruning_curve_starts_from_the_targets_first_layers_and_prunes_to_one_layer(output, tmp_path):
+    from benchmark.ablations import main as ablations, target_prefix_drafter
+    target = Qwen3ForCausalLM.from_pretrained(output / "target")
+    drafter = target_prefix_drafter(output, 1, MICRO.block_size, AutoTokenizer.from_pretrained(output / "tokenizer"))
+    assert drafter.config.num_hidden_layers == 1 < target.config.num_hidden_layers
+    for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.up_proj.weight",
+                 "model.norm.weight"):
+        torch.testing.assert_close(drafter.get_parameter(name), target.get_parameter(name), rtol=0, atol=0)
+    curve = tmp_path / "curve"
+    ablations(["--quickstart", str(output), "--output", str(curve), "--steps", "2", "--held-out", "4",
+               "--pruning-curve", str(target.config.num_hidden_layers), "--dtype", "float32"])
+    stages = json.loads((curve / "pruning" / "pruning.json").read_text())["stages"]
+    assert [stage["depth"] for stage in stages] == list(range(target.config.num_hidden_layers, 0, -1))
+    assert all(stage["tau"] >= 1 for stage in stages) and (curve / "pruning" / "pruning.png").exists()
+    with pytest.raises(SystemExit) as refused:
+        ablations(["--quickstart", str(output), "--output", str(tmp_path / "too-deep"),
+                   "--pruning-curve", str(target.config.num_hidden_layers + 1)])
+    assert refused.value.code == 2
