@@ -49,14 +49,14 @@ class QuickstartSizes:
     vocab_size: int = 4096
     sequence_length: int = 256
     # A deep, narrow target: on a CPU a shallow drafter is then much cheaper than a verification (README, Results).
-    target: ModelSize = field(default_factory=lambda: ModelSize(128, 12, 2, 1, 384, 600, 16, 2e-3))
+    target: ModelSize = field(default_factory=lambda: ModelSize(128, 12, 2, 1, 384, 540, 16, 2e-3))
     # The AR assistant: a small causal LM of the target's family, the drafter's pretrained initialisation (as the
     # paper's D3D-1.7B drafter for Qwen3-32B starts from Qwen3-1.7B) and the HF assisted-generation baseline.
     assistant: ModelSize = field(default_factory=lambda: ModelSize(128, 2, 2, 1, 384, 400, 16, 2e-3))
-    drafter_prompts: int = 1600
+    drafter_prompts: int = 1200
     response_tokens: int = 128
     block_size: int = 16
-    num_anchors: int = 16
+    num_anchors: int = 8  # per 128-token response: 6 % of positions are anchors (paper: K = 128 of ~4k, 3 %)
     drafter_steps: int = 1200
     drafter_batch_size: int = 8
     drafter_learning_rate: float = 1e-3
