@@ -31,6 +31,7 @@ from trainer.data import load_responses
 from trainer.pruning import drop_layer, prune
 
 from cli.dtype import DtypeChoice, add_argument, choose_dtype
+from cli.host_memory import keep_freed_memory
 
 
 @dataclass(frozen=True)
@@ -193,6 +194,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--output must lie outside the quickstart folder")
     variants, seeds = parse_variants(args.variants), [int(seed) for seed in args.seeds.split(",")]
     torch.set_num_threads(1)
+    if not torch.cuda.is_available():
+        keep_freed_memory()
     sizes = quickstart_sizes(quickstart)
     choice = choose_dtype(args.dtype)
     print(choice)

@@ -21,6 +21,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from modeling_d3d import D3DForBlockDiffusion
 from modeling_d3d.streams_d3d import synchronize
+from quickstart.pipeline import QuickstartSizes
 from trainer.collator import D3DCollator
 from trainer.d3d_trainer import d3d_loss_terms
 from trainer.losses import DFLASH_GAMMA, IGNORE_INDEX, LOGITS_CHUNK_ELEMENTS, adjust_teacher, position_weights
@@ -59,10 +60,16 @@ class TrainShape:
         )
 
 
+def quickstart_shape(sizes: QuickstartSizes = QuickstartSizes(), prompt: int = 32) -> TrainShape:
+    """The quickstart's drafter (its assistant's shape, tied head) and training batch, `prompt`-token prompts."""
+    a = sizes.assistant
+    return TrainShape(a.hidden, a.mlp, a.layers, a.heads, a.kv_heads, a.hidden // a.heads, sizes.vocab_size, True,
+                      prompt, sizes.response_tokens, sizes.num_anchors, sizes.block_size, sizes.drafter_batch_size)
+
+
 SHAPES = {
     "tiny": TrainShape(32, 64, 2, 4, 2, 8, 96, False, 8, 24, 6, 4, 2),
-    # The quickstart's drafter (from its assistant) and its training batch (QuickstartSizes).
-    "quickstart": TrainShape(128, 384, 2, 2, 1, 64, 4096, True, 32, 128, 16, 16, 8),
+    "quickstart": quickstart_shape(),
     # Qwen3-8B's vocabulary, width and layer shape with one layer; a 2k-token response and K = 64.
     "qwen3-8b-vocab": TrainShape(4096, 12288, 1, 32, 8, 128, 151936, False, 128, 2048, 64, 16, 1),
 }
