@@ -31,7 +31,7 @@ from trainer.data import load_responses
 from trainer.pruning import drop_layer, prune
 
 from cli.dtype import DtypeChoice, add_argument, choose_dtype
-from cli.host_memory import keep_freed_memory
+from cli.host_memory import keep_freed_memory_on_cpu
 
 
 @dataclass(frozen=True)
@@ -179,8 +179,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quickstart", required=True, help="a quickstart output folder (target/, assistant/, data/)")
     parser.add_argument("--output", required=True)
     parser.add_argument("--steps", type=int, default=150, help="training steps of every drafter (the same budget)")
-    parser.add_argument("--variants", default="1:pretrained:16,0:pretrained:16,1:random:16",
-                        help="LAMBDA:pretrained|random:K, comma-separated")
+    parser.add_argument("--variants", default=None,
+                        help="LAMBDA:pretrained|random:K, comma-separated (default: lambda 1 and 0 from the assistant, "
+                             "lambda 1 from random weights, each with the quickstart's K)")
     parser.add_argument("--seeds", default="0", help="training seeds, comma-separated")
     parser.add_argument("--held-out", type=int, default=48, help="last N prompts of the data: evaluation, not training")
     parser.add_argument("--pruning-curve", type=int, default=None, metavar="DEPTH",
@@ -192,18 +193,30 @@ def main(argv: list[str] | None = None) -> None:
     quickstart, output = Path(args.quickstart), Path(args.output)
     if output.resolve().is_relative_to(quickstart.resolve()):
         parser.error("--output must lie outside the quickstart folder")
-    variants, seeds = parse_variants(args.variants), [int(seed) for seed in args.seeds.split(",")]
+    if args.pruning_curve is not None and (args.variants is not None or args.seeds != "0"):
+        parser.error("--pruning-curve trains one drafter: --variants and --seeds do not apply")
+    try:
+        sizes = quickstart_sizes(quickstart)
+    except OSError as error:
+        parser.error(f"--quickstart {quickstart}: not a finished quickstart folder ({error.strerror})")
+    k = sizes.num_anchors
+    try:
+        variants = parse_variants(args.variants or f"1:pretrained:{k},0:pretrained:{k},1:random:{k}")
+        seeds = [int(seed) for seed in args.seeds.split(",")]
+    except ValueError as error:
+        parser.error(str(error))
+    data = load_responses(quickstart / "data")
+    least = 2 if args.pruning_curve is not None else 1  # the curve splits them: layer choice, then tau and speedup
+    if not least <= args.held_out < len(data):
+        parser.error(f"--held-out {args.held_out}: between {least} and {len(data) - 1} of the data's {len(data)} prompts")
     torch.set_num_threads(1)
-    if not torch.cuda.is_available():
-        keep_freed_memory()
-    sizes = quickstart_sizes(quickstart)
+    keep_freed_memory_on_cpu()
     choice = choose_dtype(args.dtype)
     print(choice)
     tokenizer = AutoTokenizer.from_pretrained(quickstart / "tokenizer")
     target = Qwen3ForCausalLM.from_pretrained(quickstart / "target", dtype=torch.float32).eval()
     if args.pruning_curve is not None and not 1 <= args.pruning_curve <= target.config.num_hidden_layers:
         parser.error(f"--pruning-curve {args.pruning_curve}: the target has {target.config.num_hidden_layers} layers")
-    data = load_responses(quickstart / "data")
     train_data = data.select(range(len(data) - args.held_out))
     prompts = [torch.tensor([prompt]) for prompt in data[len(data) - args.held_out:]["prompt"]]
     output.mkdir(parents=True, exist_ok=True)

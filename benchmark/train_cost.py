@@ -19,9 +19,10 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from cli.host_memory import release_freed_memory
 from modeling_d3d import D3DForBlockDiffusion
 from modeling_d3d.streams_d3d import synchronize
-from quickstart.pipeline import QuickstartSizes
+from quickstart.sizes import QuickstartSizes
 from trainer.collator import D3DCollator
 from trainer.d3d_trainer import d3d_loss_terms
 from trainer.losses import DFLASH_GAMMA, IGNORE_INDEX, LOGITS_CHUNK_ELEMENTS, adjust_teacher, position_weights
@@ -60,8 +61,10 @@ class TrainShape:
         )
 
 
-def quickstart_shape(sizes: QuickstartSizes = QuickstartSizes(), prompt: int = 32) -> TrainShape:
-    """The quickstart's drafter (its assistant's shape, tied head) and training batch, `prompt`-token prompts."""
+def quickstart_shape(sizes: QuickstartSizes | None = None, prompt: int = 32) -> TrainShape:
+    """The quickstart's drafter (its assistant's shape, tied head) and training batch (default: the default sizes),
+    `prompt`-token prompts."""
+    sizes = sizes or QuickstartSizes()
     a = sizes.assistant
     return TrainShape(a.hidden, a.mlp, a.layers, a.heads, a.kv_heads, a.hidden // a.heads, sizes.vocab_size, True,
                       prompt, sizes.response_tokens, sizes.num_anchors, sizes.block_size, sizes.drafter_batch_size)
@@ -143,6 +146,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.base = torch.cuda.memory_allocated(self.device)
         else:
+            release_freed_memory()  # the resident set is then the memory in use, whatever the allocator kept
             Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident set (Linux)
             self.base = _status_bytes("VmRSS")
         return self

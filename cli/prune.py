@@ -11,7 +11,7 @@ from trainer.provenance import record_pruning
 from trainer.pruning import MAX_NEW_TOKENS, MIN_TAU_FRACTION, prune
 
 from . import dtype
-from .host_memory import keep_freed_memory
+from .host_memory import keep_freed_memory_on_cpu
 from .inputs import model_source, positive_int
 from .loading import load_target
 from .train import add_recipe_arguments, recipe_arguments
@@ -36,8 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     choice = dtype.choose_dtype(args.dtype)
     print(choice)
-    if not torch.cuda.is_available():
-        keep_freed_memory()
+    keep_freed_memory_on_cpu()
     target, tokenizer = load_target(args.target, choice.dtype)
     drafter = D3DForBlockDiffusion.from_pretrained(args.drafter).to(target.device)
     data = load_responses(args.data)

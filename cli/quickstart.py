@@ -3,13 +3,11 @@
 import argparse
 from pathlib import Path
 
-import torch
-
 from benchmark.report import markdown
 from quickstart.pipeline import MICRO, QuickstartSizes, run_quickstart
 
 from . import dtype
-from .host_memory import keep_freed_memory
+from .host_memory import keep_freed_memory_on_cpu
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,8 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not torch.cuda.is_available():  # every stage trains or decodes on the CPU
-        keep_freed_memory()
+    keep_freed_memory_on_cpu()
     results = run_quickstart(Path(args.output), MICRO if args.micro else QuickstartSizes(), args.dtype)
     print(markdown(results))
     lossless = all(row["lossless"] for s in results["prompt_sets"].values() for row in s["methods"])

@@ -14,7 +14,7 @@ from trainer.data import load_responses
 from trainer.provenance import DrafterProvenance
 
 from . import dtype
-from .host_memory import keep_freed_memory
+from .host_memory import keep_freed_memory_on_cpu
 from .inputs import model_source, positive_float, positive_int
 from .loading import load_target
 
@@ -96,8 +96,7 @@ def _as_recorded(model: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     dataset = load_responses(args.data)  # a wrong --data fails before the target loads
-    if not torch.cuda.is_available():
-        keep_freed_memory()
+    keep_freed_memory_on_cpu()
     choice = dtype.choose_dtype(args.dtype)
     print(choice)
     target, tokenizer = load_target(args.target, choice.dtype, device_map="cpu" if not torch.cuda.is_available() else None)

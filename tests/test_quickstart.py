@@ -161,8 +161,13 @@ def test_the_pruning_curve_starts_from_the_targets_first_layers_and_prunes_to_on
                "--pruning-curve", str(target.config.num_hidden_layers), "--dtype", "float32"])
     stages = json.loads((curve / "pruning" / "pruning.json").read_text())["stages"]
     assert [stage["depth"] for stage in stages] == list(range(target.config.num_hidden_layers, 0, -1))
-    assert all(stage["tau"] >= 1 for stage in stages) and (curve / "pruning" / "pruning.png").exists()
+    assert all(math.isfinite(stage["tau"]) and math.isfinite(stage["speedup"]) for stage in stages)
+    assert (curve / "pruning" / "pruning.png").exists()
     with pytest.raises(SystemExit) as refused:
         ablations(["--quickstart", str(output), "--output", str(tmp_path / "too-deep"),
                    "--pruning-curve", str(target.config.num_hidden_layers + 1)])
     assert refused.value.code == 2
+    for wrong in (["--held-out", "1"], ["--variants", "1:pretrained:8"]):  # the curve needs two halves; one drafter
+        with pytest.raises(SystemExit) as refused:
+            ablations(["--quickstart", str(output), "--output", str(tmp_path / "wrong"), "--pruning-curve", "1", *wrong])
+        assert refused.value.code == 2
