@@ -102,12 +102,11 @@ def target_prefix_drafter(quickstart: Path, depth: int, block_size: int, tokeniz
     return drafter
 
 
-def pruning_curve(quickstart: Path, output: Path, depth: int, steps: int, train_data, prompts, target, tokenizer,
-                  sizes: QuickstartSizes, choice: DtypeChoice) -> str:
-    """Train a `target_prefix_drafter` for `steps`, then prune it layer by layer down to one layer (the quickstart's
-    recovery steps per stage; layers chosen on the first half of `prompts`, tau and speedup measured on the second
-    half). Writes `output/trained/` and `output/pruning/`; returns the per-depth table (`pruning.md`)."""
-    drafter = target_prefix_drafter(quickstart, depth, sizes.block_size, tokenizer)
+def pruning_curve(drafter, output: Path, steps: int, train_data, prompts, target, sizes: QuickstartSizes,
+                  choice: DtypeChoice) -> str:
+    """Train `drafter` (a `target_prefix_drafter`) for `steps`, then prune it layer by layer down to one layer (the
+    quickstart's recovery steps per stage; layers chosen on the first half of `prompts`, tau and speedup measured on
+    the second half). Writes `output/trained/` and `output/pruning/`; returns the per-depth table (`pruning.md`)."""
     args = drafter_arguments(output / "trained", sizes, steps, choice)
     args.disable_tqdm = True
     D3DTrainer(drafter, args, train_dataset=train_data).train()
@@ -215,14 +214,15 @@ def main(argv: list[str] | None = None) -> None:
     print(choice)
     tokenizer = AutoTokenizer.from_pretrained(quickstart / "tokenizer")
     target = Qwen3ForCausalLM.from_pretrained(quickstart / "target", dtype=torch.float32).eval()
-    if args.pruning_curve is not None and not 1 <= args.pruning_curve <= target.config.num_hidden_layers:
-        parser.error(f"--pruning-curve {args.pruning_curve}: the target has {target.config.num_hidden_layers} layers")
     train_data = data.select(range(len(data) - args.held_out))
     prompts = [torch.tensor([prompt]) for prompt in data[len(data) - args.held_out:]["prompt"]]
     output.mkdir(parents=True, exist_ok=True)
     if args.pruning_curve is not None:
-        print(pruning_curve(quickstart, output, args.pruning_curve, args.steps, train_data, prompts, target, tokenizer,
-                            sizes, choice))
+        try:
+            drafter = target_prefix_drafter(quickstart, args.pruning_curve, sizes.block_size, tokenizer)
+        except ValueError as error:
+            parser.error(f"--pruning-curve: {error}")
+        print(pruning_curve(drafter, output, args.steps, train_data, prompts, target, sizes, choice))
         return
     results = []
     for seed in seeds:

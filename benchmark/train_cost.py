@@ -61,13 +61,12 @@ class TrainShape:
         )
 
 
-def quickstart_shape(sizes: QuickstartSizes | None = None, prompt: int = 32) -> TrainShape:
-    """The quickstart's drafter (its assistant's shape, tied head) and training batch (default: the default sizes),
-    `prompt`-token prompts."""
-    sizes = sizes or QuickstartSizes()
+def quickstart_shape() -> TrainShape:
+    """The default quickstart's drafter (its assistant's shape, tied head) and training batch, 32-token prompts."""
+    sizes = QuickstartSizes()
     a = sizes.assistant
     return TrainShape(a.hidden, a.mlp, a.layers, a.heads, a.kv_heads, a.hidden // a.heads, sizes.vocab_size, True,
-                      prompt, sizes.response_tokens, sizes.num_anchors, sizes.block_size, sizes.drafter_batch_size)
+                      32, sizes.response_tokens, sizes.num_anchors, sizes.block_size, sizes.drafter_batch_size)
 
 
 SHAPES = {
