@@ -165,8 +165,8 @@ def pass_function(model, kind: str) -> Callable:
 
 @dataclass
 class CompiledForward:
-    """The forward of one pass kind (`PASS_KINDS`), compiled, called from one thread (CUDA-graph trees keep
-    per-thread state; `threads` records the callers, which tests check).
+    """The forward of one pass kind (`PASS_KINDS`), compiled; with fixed shapes called from one thread (CUDA-graph
+    trees keep per-thread state; `threads` records the callers, which tests check).
 
     Every compiled pass attends over every cache column, so the only dimensions that change are rows, input width
     and the cache's size, marked dynamic up front (`mark_dynamic_inputs`): one compilation serves them all (a
@@ -234,9 +234,15 @@ class CompiledPasses:
             self.forwards[kind] = compiled_forward(self.model, kind, self.fixed, self.compile)
         return self.forwards[kind]
 
-    def worker(self) -> ThreadPoolExecutor:
-        """The one thread background passes (the successor pass) run on, call after call (its thread exits when
-        these passes are released)."""
+    def worker(self) -> ThreadPoolExecutor | None:
+        """With fixed shapes (CUDA graphs, whose trees keep per-thread state): the one thread background passes (the
+        successor pass) run on, call after call (it exits when these passes are released). Otherwise None: each call
+        runs them on a thread of its own that ends with it. A thread that outlives its call would keep the OpenMP
+        team its CPU kernels started, and while more OpenMP threads live than the machine has cores, libgomp stops
+        spin-waiting: every parallel CPU operation of the process then pays a thread wake-up (a small bf16 matmul
+        ~3x slower; docs/results.md)."""
+        if not self.fixed_shapes:
+            return None
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3d-drafter")
         return self._worker

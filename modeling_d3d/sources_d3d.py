@@ -268,7 +268,8 @@ class SuccessorSource(BlockSource):
     `B((C - 1)F + 2)` tokens a row). device: where the drafter runs (e.g. `"cuda:1"` beside a target on `cuda:0`),
     checked, never moved to (`check_device`); on CUDA the worker uses its own stream. worker_threads: torch threads of the worker (CPU-only machines).
     passes: compiled drafting passes (`BlockSource`); the successor pass has its own compiled forward, and runs on
-    the passes' long-lived worker thread, so each compiled function is only ever called from one thread.
+    the passes' long-lived worker thread where they have one (fixed shapes: CUDA graphs, so each compiled function is
+    only ever called from one thread), else on a worker of this source's own that ends when it closes.
 
     Each `propose` serves every row from its branches when the verified tokens match one (a hit: no drafting
     pass), drafts the others with one block pass, then queues the packed successor pass for the new drafts on the
@@ -294,9 +295,9 @@ class SuccessorSource(BlockSource):
         self.branches: list[PreparedBranches | BaseException | None] = []  # an exception: that row's worker step failed
         self._closed = False
         self._pending: Future | None = None
-        self._owns_executor = passes is None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3d-drafter") if passes is None \
-            else passes.worker()
+        shared = passes.worker() if passes is not None else None
+        self._owns_executor = shared is None
+        self._executor = shared or ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3d-drafter")
         if worker_threads:
             self._executor.submit(torch.set_num_threads, worker_threads).result()
         self._stream = side_stream(self.device)
