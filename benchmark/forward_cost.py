@@ -20,7 +20,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from cli.dtype import DtypeChoice, add_argument, choose_dtype
 from modeling_d3d import D3DForBlockDiffusion
 from modeling_d3d.caches_d3d import StaticKVCache
-from modeling_d3d.passes_d3d import PassLayout, compiled_passes, prefill, run_pass
+from modeling_d3d.generation_d3d import compiled_engine_size
+from modeling_d3d.passes_d3d import PassLayout, compiled_passes, fixed_shapes, prefill, run_pass
 from modeling_d3d.sources_d3d import BlockSource, RowSampling, SuccessorSource
 from modeling_d3d.streams_d3d import synchronize
 
@@ -58,14 +59,18 @@ def seconds(fn, repeats: int, device: torch.device) -> float:
 
 @torch.no_grad()
 def target_pass_seconds(target, prefix: list[int], n: int, repeats: int, compile: bool = False) -> float:
-    """The engine's verify pass: `target` over `n` new tokens after a committed prefix (one `StaticKVCache` row),
-    eager or through the engine's compiled verify forward (`compiled_passes`, kept on the target; compiled once
-    before timing)."""
+    """The engine's verify pass: `target` over `n` new tokens after a committed prefix (one row), eager or through
+    the engine's compiled verify forward (`compiled_passes`, kept on the target; compiled once before timing) on a
+    cache of the size a compiled engine of one row has (`compiled_engine_size`), so the graph timed is the one the
+    engine runs (and the engine's first calls do not compile it again)."""
     width = max(n, 1)
-    cache = StaticKVCache(target.config, 1, len(prefix) + width, target.device, target.dtype)
+    forward = compiled_passes(target).forward("verify") if compile else None
+    slots, length = 1, len(prefix) + width
+    if compile:
+        slots, length = compiled_engine_size(1, length, fixed_shapes(forward))
+    cache = StaticKVCache(target.config, slots, length, target.device, target.dtype)
     prefill(target, cache, 0, prefix)
     layout = PassLayout.causal(torch.tensor([prefix[-width:]]), torch.tensor([len(prefix)]))
-    forward = compiled_passes(target).forward("verify") if compile else None
     return seconds(lambda: run_pass(target, cache, layout, width, forward=forward), repeats, target.device)
 
 

@@ -174,3 +174,29 @@ def test_after_the_warm_up_no_prompt_length_or_batch_size_compiles_again():
     finally:
         release_compiled_passes(target)
         release_compiled_passes(drafter)
+
+
+def test_the_bounds_compiled_verify_pass_is_the_graph_the_engine_runs():
+    """`d3d bench` times the compiled verify pass for its ideal bound (`engine_pass_seconds(compile=True)`) on a
+    cache of a compiled engine's size: the engine's calls of one prompt afterwards (the target alone, one token a
+    pass; D3D sync, a block a pass) add no compiled graph to the verify pass, so the bound times the graph the
+    engine runs and the measurement compiles nothing the engine does not use."""
+    from benchmark.forward_cost import engine_pass_seconds
+
+    torch._dynamo.reset()
+    target, drafter = pair(2)
+    try:
+        engine_pass_seconds(target, drafter, prefix_length=9, repeats=1, compile=True)
+        verify = compiled_passes(target).forward("verify").function
+        code = verify._torchdynamo_orig_callable.__code__
+        measured = len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
+        assert measured > 0
+        ids, mask = prompts([7], 5)
+        for source in ({}, {"drafter": drafter}):
+            output = target.generate(ids, attention_mask=mask, custom_generate=speculative_generate, compile=True,
+                                     max_new_tokens=10, do_sample=False, **source)
+            assert torch.equal(output, target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False))
+        assert len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code)) == measured
+    finally:
+        release_compiled_passes(target)
+        release_compiled_passes(drafter)
