@@ -61,14 +61,24 @@ def seconds(fn, repeats: int, device: torch.device) -> float:
 def target_pass_seconds(target, prefix: list[int], n: int, repeats: int, compile: bool = False) -> float:
     """The engine's verify pass: `target` over `n` new tokens after a committed prefix (one row), eager or through
     the engine's compiled verify forward (`compiled_passes`, kept on the target; compiled once before timing) on a
-    cache of the size a compiled engine of one row has (`compiled_engine_size`), so the graph timed is the one the
-    engine runs (and the engine's first calls do not compile it again)."""
+    cache of the slots and columns a compiled engine of one row verifying `n` tokens a pass has (taken from and
+    returned to the passes' pool, as the engine's is), so the graph timed is the one the engine runs (and the
+    engine's first calls do not compile or record it again)."""
     width = max(n, 1)
-    forward = compiled_passes(target).forward("verify") if compile else None
-    slots, length = 1, len(prefix) + width
-    if compile:
-        slots, length = compiled_engine_size(1, length, fixed_shapes(forward))
-    cache = StaticKVCache(target.config, slots, length, target.device, target.dtype)
+    if not compile:
+        cache = StaticKVCache(target.config, 1, len(prefix) + width, target.device, target.dtype)
+        return _verify_seconds(target, cache, prefix, width, None, repeats)
+    passes = compiled_passes(target)
+    forward = passes.forward("verify")
+    slots, length = compiled_engine_size(1, len(prefix) + width, fixed_shapes(forward))
+    cache = passes.caches.take(target.config, slots, length + width, target.device, target.dtype)  # as the engine
+    try:
+        return _verify_seconds(target, cache, prefix, width, forward, repeats)
+    finally:
+        passes.caches.put(cache)
+
+
+def _verify_seconds(target, cache: StaticKVCache, prefix: list[int], width: int, forward, repeats: int) -> float:
     prefill(target, cache, 0, prefix)
     layout = PassLayout.causal(torch.tensor([prefix[-width:]]), torch.tensor([len(prefix)]))
     return seconds(lambda: run_pass(target, cache, layout, width, forward=forward), repeats, target.device)

@@ -295,13 +295,13 @@ class SuccessorSource(BlockSource):
         self.branches: list[PreparedBranches | BaseException | None] = []  # an exception: that row's worker step failed
         self._closed = False
         self._pending: Future | None = None
-        shared = passes.worker() if passes is not None else None
+        self._stream = side_stream(self.device)
+        self._clock = Clock(self.device)
+        shared = passes.worker() if passes is not None else None  # last: nothing after it can fail and leave it
         self._owns_executor = shared is None
         self._executor = shared or ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3d-drafter")
         if worker_threads:
             self._executor.submit(torch.set_num_threads, worker_threads).result()
-        self._stream = side_stream(self.device)
-        self._clock = Clock(self.device)
 
     def allocate(self, slots: int, capacity: int) -> None:
         self.wait()

@@ -170,7 +170,6 @@ def test_after_the_warm_up_no_prompt_length_or_batch_size_compiles_again():
         assert threads["successor"] and main not in threads["successor"], threads
         # no drafting thread outlives its call (its idle OpenMP team would slow every later CPU operation)
         assert not any(thread.is_alive() for thread in threads["successor"]), threads
-        assert not [t for t in threading.enumerate() if t.name.startswith("d3d-drafter")]
     finally:
         release_compiled_passes(target)
         release_compiled_passes(drafter)
@@ -200,3 +199,33 @@ def test_the_bounds_compiled_verify_pass_is_the_graph_the_engine_runs():
     finally:
         release_compiled_passes(target)
         release_compiled_passes(drafter)
+
+
+def test_the_bounds_fixed_shape_verify_pass_has_the_engines_shapes():
+    """The CUDA-graph path (fixed shapes, forced eagerly on a CPU): the verify passes `engine_pass_seconds` times for
+    the ideal bound (1 and B tokens) have exactly the shapes of the engine's verify passes for one prompt (the
+    target alone and D3D sync), rows and cache columns padded alike, and reuse the engine's pooled cache buffers,
+    so a graph recorded for the bound is the one the engine replays."""
+    from benchmark.forward_cost import engine_pass_seconds
+
+    target, drafter = pair(3)
+    held = {model: CompiledPasses(model, fixed=True, compile=False) for model in (target, drafter)}
+    for model, passes in held.items():
+        model.d3d_compiled_passes = passes
+    try:
+        log = ShapeLog().watch(held[target], "verify")
+        engine_pass_seconds(target, drafter, prefix_length=9, repeats=1, compile=True)
+        measured = log.shapes("verify")
+        pooled = {key: [c.keys[0].data_ptr() for c in caches] for key, caches in held[target].caches.free.items()}
+        log.calls.clear()
+        ids, mask = prompts([7], 5)
+        for source in ({}, {"drafter": drafter}):
+            output = target.generate(ids, attention_mask=mask, custom_generate=speculative_generate, compile=True,
+                                     max_new_tokens=10, do_sample=False, **source)
+            assert torch.equal(output, target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False))
+        assert len(measured) == 2 and measured == log.shapes("verify"), (measured, log.shapes("verify"))
+        after = {key: [c.keys[0].data_ptr() for c in caches] for key, caches in held[target].caches.free.items()}
+        assert after == pooled  # the engine took the bound's caches and gave them back: no new buffers
+    finally:
+        for model in held:
+            release_compiled_passes(model)
