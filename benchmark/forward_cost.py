@@ -85,17 +85,26 @@ def _verify_seconds(target, cache: StaticKVCache, prefix: list[int], width: int,
 
 
 @torch.no_grad()
-def drafter_pass_seconds(drafter, prefix: list[int], budgets: list[tuple[int, int]], repeats: int) -> dict:
+def drafter_pass_seconds(drafter, prefix: list[int], budgets: list[tuple[int, int]], repeats: int,
+                         compile: bool = False) -> dict:
     """The engine's drafting passes after a committed prefix: one block pass (`BlockSource.propose`) and, per
-    `(C, F)`, the packed successor pass (`SuccessorSource` propose + observe, less the block pass)."""
+    `(C, F)`, the packed successor pass (`SuccessorSource` propose + observe, less the block pass); eager, or with
+    `compile` through the drafter's compiled passes (`compiled_passes`, as a compiled engine of one row drafts, on a
+    cache of its size from the passes' pool)."""
     sampling = [RowSampling()]
-    block = BlockSource(drafter)
-    block.allocate(1, len(prefix) + repeats + 2)
-    block.add(0, prefix)
-    times = {"block": seconds(lambda: block.propose([prefix], sampling), repeats, drafter.device)}
+    passes = compiled_passes(drafter) if compile else None
+    slots = compiled_engine_size(1, 2, passes.fixed_shapes)[0] if compile else 1
+
+    def capacity(tokens: int) -> int:  # as the engine allocates its source: its length plus one
+        return (compiled_engine_size(1, tokens, passes.fixed_shapes)[1] if compile else tokens) + 1
+
+    with BlockSource(drafter, passes=passes) as block:
+        block.allocate(slots, capacity(len(prefix) + repeats + 2))
+        block.add(0, prefix)
+        times = {"block": seconds(lambda: block.propose([prefix], sampling), repeats, drafter.device)}
     for coverage, fanout in budgets:
-        with SuccessorSource(drafter, coverage, fanout) as source:
-            source.allocate(1, len(prefix) + 2 * repeats + 4)
+        with SuccessorSource(drafter, coverage, fanout, passes=passes) as source:
+            source.allocate(slots, capacity(len(prefix) + 2 * repeats + 4))
             source.add(0, prefix)
             context = list(prefix)
 
@@ -110,14 +119,14 @@ def drafter_pass_seconds(drafter, prefix: list[int], budgets: list[tuple[int, in
 
 
 def engine_pass_seconds(target, drafter, prefix_length: int = 256, repeats: int = 20, compile: bool = False) -> dict:
-    """t_T(1), t_T(B) (the target's verify pass over 1 and B tokens, eager or compiled) and t_D(B) (the drafter's
-    block pass, eager as the engine runs it) on a random `prefix_length`-token prefix."""
+    """t_T(1), t_T(B) (the target's verify pass over 1 and B tokens) and t_D(B) (the drafter's block pass), eager or
+    compiled as the engine runs them, on a random `prefix_length`-token prefix."""
     vocab = target.config.get_text_config().vocab_size
     prefix = torch.randint(0, vocab, (prefix_length,), generator=torch.Generator().manual_seed(0)).tolist()
     block_size = drafter.config.block_size
     return {"t_target_1": target_pass_seconds(target, prefix, 1, repeats, compile),
             "t_target_b": target_pass_seconds(target, prefix, block_size, repeats, compile),
-            "t_drafter_b": drafter_pass_seconds(drafter, prefix, [], repeats)["block"]}
+            "t_drafter_b": drafter_pass_seconds(drafter, prefix, [], repeats, compile)["block"]}
 
 
 def measure(preset: str, device: str, drafter_device: str, prefix_length: int, block_size: int,

@@ -176,36 +176,36 @@ def test_after_the_warm_up_no_prompt_length_or_batch_size_compiles_again():
 
 
 def test_the_bounds_compiled_verify_pass_is_the_graph_the_engine_runs():
-    """`d3d bench` times the compiled verify pass for its ideal bound (`engine_pass_seconds(compile=True)`) on a
-    cache of a compiled engine's size: the engine's calls of one prompt afterwards (the target alone, one token a
-    pass; D3D sync, a block a pass) add no compiled graph to the verify pass, so the bound times the graph the
-    engine runs and the measurement compiles nothing the engine does not use."""
+    """`d3d bench` times the compiled verify and block passes for its ideal bound (`engine_pass_seconds(compile=True)`)
+    on caches of a compiled engine's size: the engine's calls of one prompt afterwards (the target alone, one token
+    a pass; D3D sync, a block a pass) add no compiled graph to either, so the bound times the graphs the engine runs
+    and the measurement compiles nothing the engine does not use."""
     from benchmark.forward_cost import engine_pass_seconds
 
     torch._dynamo.reset()
     target, drafter = pair(2)
     try:
         engine_pass_seconds(target, drafter, prefix_length=9, repeats=1, compile=True)
-        verify = compiled_passes(target).forward("verify").function
-        code = verify._torchdynamo_orig_callable.__code__
-        measured = len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
-        assert measured > 0
+        codes = [compiled_passes(model).forward(kind).function._torchdynamo_orig_callable.__code__
+                 for model, kind in ((target, "verify"), (drafter, "block"))]
+        measured = [len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code)) for code in codes]
+        assert all(measured), measured
         ids, mask = prompts([7], 5)
         for source in ({}, {"drafter": drafter}):
             output = target.generate(ids, attention_mask=mask, custom_generate=speculative_generate, compile=True,
                                      max_new_tokens=10, do_sample=False, **source)
             assert torch.equal(output, target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False))
-        assert len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code)) == measured
+        assert [len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code)) for code in codes] == measured
     finally:
         release_compiled_passes(target)
         release_compiled_passes(drafter)
 
 
 def test_the_bounds_fixed_shape_verify_pass_has_the_engines_shapes():
-    """The CUDA-graph path (fixed shapes, forced eagerly on a CPU): the verify passes `engine_pass_seconds` times for
-    the ideal bound (1 and B tokens) have exactly the shapes of the engine's verify passes for one prompt (the
-    target alone and D3D sync), rows and cache columns padded alike, and reuse the engine's pooled cache buffers,
-    so a graph recorded for the bound is the one the engine replays."""
+    """The CUDA-graph path (fixed shapes, forced eagerly on a CPU): the passes `engine_pass_seconds` times for the
+    ideal bound (verify over 1 and B tokens, the drafter's block pass) have exactly the shapes of the engine's for
+    one prompt (the target alone and D3D sync), rows and cache columns padded alike, and reuse the engine's pooled
+    cache buffers, so a graph recorded for the bound is the one the engine replays."""
     from benchmark.forward_cost import engine_pass_seconds
 
     target, drafter = pair(3)
@@ -213,19 +213,24 @@ def test_the_bounds_fixed_shape_verify_pass_has_the_engines_shapes():
     for model, passes in held.items():
         model.d3d_compiled_passes = passes
     try:
-        log = ShapeLog().watch(held[target], "verify")
+        log = ShapeLog().watch(held[target], "verify").watch(held[drafter], "block")
         engine_pass_seconds(target, drafter, prefix_length=9, repeats=1, compile=True)
-        measured = log.shapes("verify")
-        pooled = {key: [c.keys[0].data_ptr() for c in caches] for key, caches in held[target].caches.free.items()}
+        measured = {kind: log.shapes(kind) for kind in ("verify", "block")}
+
+        def pooled() -> dict:
+            return {key: [c.keys[0].data_ptr() for c in caches] for passes in held.values()
+                    for key, caches in passes.caches.free.items()}
+
+        before = pooled()
         log.calls.clear()
         ids, mask = prompts([7], 5)
         for source in ({}, {"drafter": drafter}):
             output = target.generate(ids, attention_mask=mask, custom_generate=speculative_generate, compile=True,
                                      max_new_tokens=10, do_sample=False, **source)
             assert torch.equal(output, target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False))
-        assert len(measured) == 2 and measured == log.shapes("verify"), (measured, log.shapes("verify"))
-        after = {key: [c.keys[0].data_ptr() for c in caches] for key, caches in held[target].caches.free.items()}
-        assert after == pooled  # the engine took the bound's caches and gave them back: no new buffers
+        engine = {kind: log.shapes(kind) for kind in ("verify", "block")}
+        assert len(measured["verify"]) == 2 and len(measured["block"]) == 1 and measured == engine, (measured, engine)
+        assert pooled() == before  # the engine took the bound's caches and gave them back: no new buffers
     finally:
         for model in held:
             release_compiled_passes(model)
