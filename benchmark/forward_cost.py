@@ -12,6 +12,8 @@ Acceptance lengths need trained weights: this says nothing about tau, only about
 import argparse
 import json
 import time
+from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -46,65 +48,67 @@ def random_model(shape: dict, layers: int | None, device: str, dtype: torch.dtyp
 
 def seconds(fn, repeats: int, device: torch.device) -> float:
     """Median wall-clock seconds of `fn()` over `repeats` calls after one warm-up, device work included."""
-    fn()
-    synchronize(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    return interleaved_seconds({"fn": (fn, device)}, repeats)["fn"]
+
+
+def interleaved_seconds(calls: dict[str, tuple[Callable[[], object], torch.device]], repeats: int) -> dict[str, float]:
+    """Median wall-clock seconds of each `fn()` (its device's work included) over `repeats` rounds that call every
+    one in turn, after one warm-up call each: drift on the machine hits them all alike."""
+    for fn, device in calls.values():
         fn()
         synchronize(device)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, (fn, device) in calls.items():
+            start = time.perf_counter()
+            fn()
+            synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: sorted(values)[len(values) // 2] for name, values in times.items()}
 
 
 @torch.no_grad()
 def target_pass_seconds(target, prefix: list[int], n: int, repeats: int, compile: bool = False) -> float:
-    """The engine's verify pass: `target` over `n` new tokens after a committed prefix (one row), eager or through
-    the engine's compiled verify forward (`compiled_passes`, kept on the target; compiled once before timing) on a
-    cache of the slots and columns a compiled engine of one row verifying `n` tokens a pass has (taken from and
-    returned to the passes' pool, as the engine's is), so the graph timed is the one the engine runs (and the
-    engine's first calls do not compile or record it again)."""
+    """The engine's verify pass over `n` new tokens after `prefix`, timed (`verify_pass`)."""
+    with ExitStack() as stack:
+        return seconds(verify_pass(target, prefix, n, compile, stack), repeats, target.device)
+
+
+def verify_pass(target, prefix: list[int], n: int, compile: bool, stack: ExitStack) -> Callable[[], object]:
+    """The engine's verify pass, ready to time: `target` over `n` new tokens after a committed prefix (one row),
+    eager or through the engine's compiled verify forward (`compiled_passes`, kept on the target; compiled by the
+    first call) on a cache of the slots and columns a compiled engine of one row verifying `n` tokens a pass has
+    (taken from the passes' pool and given back when `stack` closes, as the engine's is), so the graph timed is
+    the one the engine runs (and the engine's first calls do not compile or record it again)."""
     width = max(n, 1)
+    forward = None
     if not compile:
         cache = StaticKVCache(target.config, 1, len(prefix) + width, target.device, target.dtype)
-        return _verify_seconds(target, cache, prefix, width, None, repeats)
-    passes = compiled_passes(target)
-    forward = passes.forward("verify")
-    slots, length = compiled_engine_size(1, len(prefix) + width, fixed_shapes(forward))
-    cache = passes.caches.take(target.config, slots, length + width, target.device, target.dtype)  # as the engine
-    try:
-        return _verify_seconds(target, cache, prefix, width, forward, repeats)
-    finally:
-        passes.caches.put(cache)
-
-
-def _verify_seconds(target, cache: StaticKVCache, prefix: list[int], width: int, forward, repeats: int) -> float:
+    else:
+        passes = compiled_passes(target)
+        forward = passes.forward("verify")
+        slots, length = compiled_engine_size(1, len(prefix) + width, fixed_shapes(forward))
+        cache = passes.caches.take(target.config, slots, length + width, target.device, target.dtype)  # as the engine
+        stack.callback(passes.caches.put, cache)
     prefill(target, cache, 0, prefix)
     layout = PassLayout.causal(torch.tensor([prefix[-width:]]), torch.tensor([len(prefix)]))
-    return seconds(lambda: run_pass(target, cache, layout, width, forward=forward), repeats, target.device)
+    return lambda: run_pass(target, cache, layout, width, forward=forward)
 
 
 @torch.no_grad()
 def drafter_pass_seconds(drafter, prefix: list[int], budgets: list[tuple[int, int]], repeats: int,
                          compile: bool = False) -> dict:
-    """The engine's drafting passes after a committed prefix: one block pass (`BlockSource.propose`) and, per
-    `(C, F)`, the packed successor pass (`SuccessorSource` propose + observe, less the block pass); eager, or with
-    `compile` through the drafter's compiled passes (`compiled_passes`, as a compiled engine of one row drafts, on a
-    cache of its size from the passes' pool)."""
+    """The engine's drafting passes after a committed prefix: one block pass (`block_pass`) and, per `(C, F)`, the
+    packed successor pass (`SuccessorSource` propose + observe, less the block pass); eager, or with `compile`
+    through the drafter's compiled passes, as a compiled engine of one row drafts."""
     sampling = [RowSampling()]
-    passes = compiled_passes(drafter) if compile else None
-    slots = compiled_engine_size(1, 2, passes.fixed_shapes)[0] if compile else 1
-
-    def capacity(tokens: int) -> int:  # as the engine allocates its source: its length plus one
-        return (compiled_engine_size(1, tokens, passes.fixed_shapes)[1] if compile else tokens) + 1
-
-    with BlockSource(drafter, passes=passes) as block:
-        block.allocate(slots, capacity(len(prefix) + repeats + 2))
-        block.add(0, prefix)
-        times = {"block": seconds(lambda: block.propose([prefix], sampling), repeats, drafter.device)}
+    with ExitStack() as stack:
+        times = {"block": seconds(block_pass(drafter, prefix, repeats, compile, stack), repeats, drafter.device)}
     for coverage, fanout in budgets:
+        passes = compiled_passes(drafter) if compile else None
         with SuccessorSource(drafter, coverage, fanout, passes=passes) as source:
-            source.allocate(slots, capacity(len(prefix) + 2 * repeats + 4))
+            slots, capacity = source_size(passes, len(prefix) + 2 * repeats + 4)
+            source.allocate(slots, capacity)
             source.add(0, prefix)
             context = list(prefix)
 
@@ -118,15 +122,40 @@ def drafter_pass_seconds(drafter, prefix: list[int], budgets: list[tuple[int, in
     return times
 
 
-def engine_pass_seconds(target, drafter, prefix_length: int = 256, repeats: int = 20, compile: bool = False) -> dict:
+def source_size(passes, tokens: int) -> tuple[int, int]:
+    """Slots and capacity the engine allocates its drafter source with for one row of up to `tokens` tokens (eager:
+    `passes` None)."""
+    if passes is None:
+        return 1, tokens + 1
+    slots, length = compiled_engine_size(1, tokens, passes.fixed_shapes)
+    return slots, length + 1
+
+
+def block_pass(drafter, prefix: list[int], repeats: int, compile: bool, stack: ExitStack) -> Callable[[], object]:
+    """The engine's block pass, ready to time (`repeats` calls at most): `BlockSource.propose` after a committed
+    prefix, eager or through the drafter's compiled passes (`compiled_passes`) on a cache of a compiled engine's
+    size from their pool (given back when `stack` closes)."""
+    passes = compiled_passes(drafter) if compile else None
+    block = stack.enter_context(BlockSource(drafter, passes=passes))
+    block.allocate(*source_size(passes, len(prefix) + repeats + 2))
+    block.add(0, prefix)
+    return lambda: block.propose([prefix], [RowSampling()])
+
+
+@torch.no_grad()
+def engine_pass_seconds(target, drafter, prefix_length: int = 256, repeats: int = 50, compile: bool = False) -> dict:
     """t_T(1), t_T(B) (the target's verify pass over 1 and B tokens) and t_D(B) (the drafter's block pass), eager or
-    compiled as the engine runs them, on a random `prefix_length`-token prefix."""
+    compiled as the engine runs them, on a random `prefix_length`-token prefix, timed in alternation
+    (`interleaved_seconds`)."""
     vocab = target.config.get_text_config().vocab_size
     prefix = torch.randint(0, vocab, (prefix_length,), generator=torch.Generator().manual_seed(0)).tolist()
     block_size = drafter.config.block_size
-    return {"t_target_1": target_pass_seconds(target, prefix, 1, repeats, compile),
-            "t_target_b": target_pass_seconds(target, prefix, block_size, repeats, compile),
-            "t_drafter_b": drafter_pass_seconds(drafter, prefix, [], repeats, compile)["block"]}
+    with ExitStack() as stack:
+        return interleaved_seconds({
+            "t_target_1": (verify_pass(target, prefix, 1, compile, stack), target.device),
+            "t_target_b": (verify_pass(target, prefix, block_size, compile, stack), target.device),
+            "t_drafter_b": (block_pass(drafter, prefix, repeats + 1, compile, stack), drafter.device),
+        }, repeats)
 
 
 def measure(preset: str, device: str, drafter_device: str, prefix_length: int, block_size: int,
