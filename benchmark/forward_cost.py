@@ -74,20 +74,23 @@ def target_pass_seconds(target, prefix: list[int], n: int, repeats: int, compile
         return seconds(verify_pass(target, prefix, n, compile, stack), repeats, target.device)
 
 
-def verify_pass(target, prefix: list[int], n: int, compile: bool, stack: ExitStack) -> Callable[[], object]:
+def verify_pass(target, prefix: list[int], n: int, compile: bool, stack: ExitStack,
+                max_length: int | None = None) -> Callable[[], object]:
     """The engine's verify pass, ready to time: `target` over `n` new tokens after a committed prefix (one row),
     eager or through the engine's compiled verify forward (`compiled_passes`, kept on the target; compiled by the
-    first call) on a cache of the slots and columns a compiled engine of one row verifying `n` tokens a pass has
-    (taken from the passes' pool and given back when `stack` closes, as the engine's is), so the graph timed is
-    the one the engine runs (and the engine's first calls do not compile or record it again)."""
+    first call) on a cache of the slots and columns a compiled engine of one row of up to `max_length` tokens
+    (default: the prefix and `n`) verifying `n` tokens a pass has (taken from the passes' pool and given back when
+    `stack` closes, as the engine's is), so the graph timed is the one the engine runs (and the engine's first
+    calls do not compile or record it again)."""
     width = max(n, 1)
+    max_length = len(prefix) + width if max_length is None else max_length
     forward = None
     if not compile:
         cache = StaticKVCache(target.config, 1, len(prefix) + width, target.device, target.dtype)
     else:
         passes = compiled_passes(target)
         forward = passes.forward("verify")
-        slots, length = compiled_engine_size(1, len(prefix) + width, fixed_shapes(forward))
+        slots, length = compiled_engine_size(1, max_length, fixed_shapes(forward))
         cache = passes.caches.take(target.config, slots, length + width, target.device, target.dtype)  # as the engine
         stack.callback(passes.caches.put, cache)
     prefill(target, cache, 0, prefix)
@@ -103,7 +106,8 @@ def drafter_pass_seconds(drafter, prefix: list[int], budgets: list[tuple[int, in
     through the drafter's compiled passes, as a compiled engine of one row drafts."""
     sampling = [RowSampling()]
     with ExitStack() as stack:
-        times = {"block": seconds(block_pass(drafter, prefix, repeats, compile, stack), repeats, drafter.device)}
+        block = block_pass(drafter, prefix, compile, stack, len(prefix) + drafter.config.block_size)
+        times = {"block": seconds(block, repeats, drafter.device)}
     for coverage, fanout in budgets:
         passes = compiled_passes(drafter) if compile else None
         with SuccessorSource(drafter, coverage, fanout, passes=passes) as source:
@@ -131,13 +135,14 @@ def source_size(passes, tokens: int) -> tuple[int, int]:
     return slots, length + 1
 
 
-def block_pass(drafter, prefix: list[int], repeats: int, compile: bool, stack: ExitStack) -> Callable[[], object]:
-    """The engine's block pass, ready to time (`repeats` calls at most): `BlockSource.propose` after a committed
-    prefix, eager or through the drafter's compiled passes (`compiled_passes`) on a cache of a compiled engine's
-    size from their pool (given back when `stack` closes)."""
+def block_pass(drafter, prefix: list[int], compile: bool, stack: ExitStack, max_length: int) -> Callable[[], object]:
+    """The engine's block pass, ready to time: `BlockSource.propose` after a committed prefix (every call drafts the
+    same block, so nothing grows), eager or through the drafter's compiled passes (`compiled_passes`) on a cache of
+    the size a compiled engine of one row of up to `max_length` tokens gives its source, from their pool (given
+    back when `stack` closes)."""
     passes = compiled_passes(drafter) if compile else None
     block = stack.enter_context(BlockSource(drafter, passes=passes))
-    block.allocate(*source_size(passes, len(prefix) + repeats + 2))
+    block.allocate(*source_size(passes, max_length))
     block.add(0, prefix)
     return lambda: block.propose([prefix], [RowSampling()])
 
@@ -146,15 +151,17 @@ def block_pass(drafter, prefix: list[int], repeats: int, compile: bool, stack: E
 def engine_pass_seconds(target, drafter, prefix_length: int = 256, repeats: int = 50, compile: bool = False) -> dict:
     """t_T(1), t_T(B) (the target's verify pass over 1 and B tokens) and t_D(B) (the drafter's block pass), eager or
     compiled as the engine runs them, on a random `prefix_length`-token prefix, timed in alternation
-    (`interleaved_seconds`)."""
+    (`interleaved_seconds`). Compiled, all three use the caches of one engine of one row of up to `prefix_length +
+    B` tokens (with fixed shapes the caches' columns are bucketed, and a pass attends over all of them)."""
     vocab = target.config.get_text_config().vocab_size
     prefix = torch.randint(0, vocab, (prefix_length,), generator=torch.Generator().manual_seed(0)).tolist()
     block_size = drafter.config.block_size
+    max_length = prefix_length + block_size
     with ExitStack() as stack:
         return interleaved_seconds({
-            "t_target_1": (verify_pass(target, prefix, 1, compile, stack), target.device),
-            "t_target_b": (verify_pass(target, prefix, block_size, compile, stack), target.device),
-            "t_drafter_b": (block_pass(drafter, prefix, repeats + 1, compile, stack), drafter.device),
+            "t_target_1": (verify_pass(target, prefix, 1, compile, stack, max_length), target.device),
+            "t_target_b": (verify_pass(target, prefix, block_size, compile, stack, max_length), target.device),
+            "t_drafter_b": (block_pass(drafter, prefix, compile, stack, max_length), drafter.device),
         }, repeats)
 
 
