@@ -99,20 +99,16 @@ def verify_pass(target, prefix: list[int], n: int, compile: bool, stack: ExitSta
 
 
 @torch.no_grad()
-def drafter_pass_seconds(drafter, prefix: list[int], budgets: list[tuple[int, int]], repeats: int,
-                         compile: bool = False) -> dict:
-    """The engine's drafting passes after a committed prefix: one block pass (`block_pass`) and, per `(C, F)`, the
-    packed successor pass (`SuccessorSource` propose + observe, less the block pass); eager, or with `compile`
-    through the drafter's compiled passes, as a compiled engine of one row drafts."""
+def drafter_pass_seconds(drafter, prefix: list[int], budgets: list[tuple[int, int]], repeats: int) -> dict:
+    """The engine's drafting passes after a committed prefix, eager: one block pass (`block_pass`) and, per `(C, F)`,
+    the packed successor pass (`SuccessorSource` propose + observe, less the block pass)."""
     sampling = [RowSampling()]
     with ExitStack() as stack:
-        block = block_pass(drafter, prefix, compile, stack, len(prefix) + drafter.config.block_size)
+        block = block_pass(drafter, prefix, False, stack, len(prefix) + drafter.config.block_size)
         times = {"block": seconds(block, repeats, drafter.device)}
     for coverage, fanout in budgets:
-        passes = compiled_passes(drafter) if compile else None
-        with SuccessorSource(drafter, coverage, fanout, passes=passes) as source:
-            slots, capacity = source_size(passes, len(prefix) + 2 * repeats + 4)
-            source.allocate(slots, capacity)
+        with SuccessorSource(drafter, coverage, fanout) as source:
+            source.allocate(1, len(prefix) + 2 * repeats + 4)
             source.add(0, prefix)
             context = list(prefix)
 
