@@ -22,6 +22,7 @@ from .generation_d3d import make_source
 from .inputs_d3d import check_prompts
 from .settings_d3d import row_settings
 from .sources_d3d import DEFAULT_FANOUT
+from .threads_d3d import CPUWorkerPools
 
 DEFAULT_MAX_LENGTH = 4096
 
@@ -143,6 +144,8 @@ class D3DBatchServer:
     tokens a request may reach (the static caches are sized for `max_batch_size` rows of it; default the target's
     positions, at most 4096); tokenizer: for requests with `stop_strings`. Use as a context manager or `close()`.
     `engine`: the `SpeculativeEngine`, driven by the scheduler thread only (read it, do not step it).
+    On a CPU the threads that build the server or submit to it give back their OpenMP worker pool (the scheduler
+    decodes; `threads_d3d`), and the idle scheduler and drafting worker hold none.
     """
 
     def __init__(
@@ -166,6 +169,8 @@ class D3DBatchServer:
         max_length = min(positions, DEFAULT_MAX_LENGTH) if max_length is None else max_length
         self.engine = SpeculativeEngine(target, make_source(drafter, asynchronous, coverage, fanout, None, None),
                                         max_rows=max_batch_size, max_length=max_length, keep_rounds=1000)
+        self._cpu_pools = CPUWorkerPools()
+        self._cpu_pools.release_own()  # allocating the caches gave the caller's thread a pool; the scheduler computes
         self._queues = _Queues([], {})
         self._next_id = 0
         self._condition = threading.Condition()
@@ -212,6 +217,7 @@ class D3DBatchServer:
         seed = seed if seed is not None else int(torch.randint(2**62, (1,)))
         settings = row_settings(self.target, config, prompt, logits_processor, stopping_criteria, self.tokenizer, seed)
         self.engine.check_request(prompt, settings)
+        self._cpu_pools.release_own()  # the scheduler decodes it: a pool kept by this thread would slow its kernels
         with self._condition:
             if self._stopped is not None and not isinstance(self._stopped, CancelledError):
                 raise RuntimeError(f"This D3DBatchServer cannot take requests: {self._stopped}") from self._stopped
@@ -251,7 +257,14 @@ class D3DBatchServer:
             self.engine.close()
 
     def _schedule_round(self) -> bool:
-        """Drop cancelled rows, admit waiting requests, run one round; False once closed."""
+        """Drop cancelled rows, admit waiting requests, run one round; False once closed. Idle, the scheduler
+        waits without a CPU worker pool (`threads_d3d`: an idle pool slows every other thread's CPU kernels)."""
+        with self._condition:
+            idle = not (self._closed or self._queues.waiting or self._queues.active)
+        if idle:
+            self._cpu_pools.release_own()
+            if self.engine.source is not None:
+                self.engine.source.release_cpu_workers()
         with self._condition:
             self._condition.wait_for(lambda: self._closed or self._queues.waiting or self._queues.active)
             if self._closed:

@@ -28,6 +28,7 @@ from .drafting_d3d import (block_pass, choose, context_free, ends_row_only, plan
                             successor_pass)
 from .passes_d3d import CompiledPasses, prefill
 from .streams_d3d import Clock, Fence, current_stream, handoff, seconds, side_stream, upload, use_stream
+from .threads_d3d import CPUWorkerPools
 
 DEFAULT_COVERAGE = 12
 DEFAULT_FANOUT = 2
@@ -113,6 +114,9 @@ class DrafterSource(Protocol):
 
     def wait(self) -> None:
         """Let background drafting end."""
+
+    def release_cpu_workers(self) -> None:
+        """With no rows left: the thread that drafts in the background, if any, gives back its CPU worker pool."""
 
     def close(self) -> None:
         """Release what the source holds (its worker)."""
@@ -236,6 +240,9 @@ class BlockSource:
     def wait(self) -> None:
         """Nothing runs in the background."""
 
+    def release_cpu_workers(self) -> None:
+        """Nothing runs in the background: the caller's thread is the caller's to release."""
+
     def close(self) -> None:
         """Return the cache to its pool (compiled passes)."""
         self.release_cache()
@@ -295,6 +302,7 @@ class SuccessorSource(BlockSource):
         self.branches: list[PreparedBranches | BaseException | None] = []  # an exception: that row's worker step failed
         self._closed = False
         self._pending: Future | None = None
+        self._worker_ran = False  # a pass ran on the worker since its pool was last given back
         self._stream = side_stream(self.device)
         self._clock = Clock(self.device)
         shared = passes.worker() if passes is not None else None  # last: nothing after it can fail and leave it
@@ -356,6 +364,7 @@ class SuccessorSource(BlockSource):
         handoff(worker_inputs, self._stream)
         exposed = time.perf_counter() - start
         self._pending = self._executor.submit(self._prepare, contexts, *worker_inputs, sampling, drafted)
+        self._worker_ran = True
         return Proposal(drafts, num_drafts, logits, looked_up, [index is not None for index in found], exposed,
                         errors=errors)
 
@@ -460,6 +469,14 @@ class SuccessorSource(BlockSource):
         if self._pending is not None:
             pending, self._pending = self._pending, None
             pending.result()
+
+    def release_cpu_workers(self) -> None:
+        """The drafting worker gives back its OpenMP pool (`threads_d3d`), once its last pass has ended (`wait`);
+        nothing to do if no pass ran since the last time."""
+        self.wait()
+        if self._worker_ran:
+            self._executor.submit(CPUWorkerPools().release_own).result()  # the worker is free: nothing else queued
+            self._worker_ran = False
 
     def close(self) -> None:
         self._closed = True

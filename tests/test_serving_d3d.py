@@ -10,7 +10,9 @@ from transformers import (LogitsProcessor, StoppingCriteria, StoppingCriteriaLis
                           TopKLogitsWarper, TopPLogitsWarper)
 
 from conftest import tiny_target, word_tokenizer
+from cpu_pools import gone, needs_libgomp, parallel_kernel, pool_of_this_thread, task_ids, two_torch_threads  # noqa: F401
 from modeling_d3d import D3DBatchServer, D3DForBlockDiffusion
+from modeling_d3d.threads_d3d import CPUWorkerPools
 
 WAIT = 60
 
@@ -331,3 +333,37 @@ def test_a_scheduler_that_stops_ends_every_request_and_refuses_new_ones(models, 
             server.submit([1], max_new_tokens=2)
     finally:
         server.close(timeout=WAIT)
+
+
+class ParallelKernel(LogitsProcessor):
+    """Runs a parallel CPU kernel wherever the server processes logits (its scheduler), noting the threads after."""
+
+    def __init__(self):
+        self.threads: set[int] = set()
+
+    def __call__(self, input_ids, scores):
+        parallel_kernel()
+        self.threads |= task_ids()
+        return scores
+
+
+@needs_libgomp
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_the_threads_that_build_and_feed_a_server_and_its_idle_scheduler_keep_no_cpu_worker_pool(
+        models, two_torch_threads, asynchronous):
+    """A pool left on any of them made the scheduler's kernels 2.2x slower on a 2-core CPU (threads_d3d).
+    Asynchronous, the request's processors run on the drafting worker too, which starts a pool of its own."""
+    target, drafter = models
+    CPUWorkerPools().release_own()
+    builder = pool_of_this_thread()
+    with D3DBatchServer(target, drafter, asynchronous=asynchronous) as server:
+        assert builder and gone(builder, timeout=0), "the building thread's pool is released"
+        submitter = pool_of_this_thread()
+        before, kernel = task_ids(), ParallelKernel()
+        handle = server.submit(prompts(1)[0], max_new_tokens=6, logits_processor=[kernel])
+        assert submitter and gone(submitter, timeout=0), "the submitting thread's pool is released"
+        handle.result(WAIT)
+        python_threads = {thread.native_id for thread in threading.enumerate()}  # the drafting worker, started since
+        pools = kernel.threads - before - python_threads
+        assert len(pools) >= 1 + asynchronous, "the request's kernels started a pool on each computing thread"
+        assert gone(pools, timeout=WAIT), "the idle scheduler (and drafting worker) released their pools"
