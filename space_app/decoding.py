@@ -10,6 +10,7 @@ drafter's own (remote) code, so the folder runs as a Space on its own.
 """
 
 import importlib
+import importlib.util
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -84,13 +85,16 @@ class EngineModules(NamedTuple):
     engine: ModuleType
     sources: ModuleType
     settings: ModuleType
+    threads: ModuleType | None  # None: a drafter saved before `threads_d3d` existed
 
 
 def engine_modules(drafter) -> EngineModules:
-    """The drafter's own `engine_d3d`, `sources_d3d` and `settings_d3d` modules (its remote code when loaded from the
-    Hub)."""
+    """The drafter's own `engine_d3d`, `sources_d3d`, `settings_d3d` and `threads_d3d` modules (its remote code when
+    loaded from the Hub)."""
     package = type(drafter).__module__.rpartition(".")[0]
-    return EngineModules(*(importlib.import_module(f"{package}.{name}_d3d") for name in ("engine", "sources", "settings")))
+    engine, sources, settings = (importlib.import_module(f"{package}.{name}_d3d") for name in ("engine", "sources", "settings"))
+    threads = importlib.import_module(f"{package}.threads_d3d") if importlib.util.find_spec(f"{package}.threads_d3d") else None
+    return EngineModules(engine, sources, settings, threads)
 
 
 def token_kinds(outcome) -> list[str]:
@@ -228,12 +232,19 @@ def compare_live(
     """The target alone, then D3D async, on the same prompt `(1, L)` and settings: one after the other, so that
     neither slows the other down. Yields `(target_alone, d3d)` as rounds arrive, `d3d` being `None` until its turn.
 
-    Each call makes its own engines (closed at the end): concurrent calls share only the weights.
+    Each call makes its own engines (closed at the end): concurrent calls share only the weights. At the end the
+    thread that ran the last round gives back its CPU worker pool (`threads_d3d`): the next request may run on
+    another of the server's threads, which an idle pool would slow.
     """
-    for alone in decode_live(target, drafter, tokenizer, prompt_ids, settings, draft=False):
-        yield alone, None
-    for d3d in decode_live(target, drafter, tokenizer, prompt_ids, settings):
-        yield alone, d3d
+    try:
+        for alone in decode_live(target, drafter, tokenizer, prompt_ids, settings, draft=False):
+            yield alone, None
+        for d3d in decode_live(target, drafter, tokenizer, prompt_ids, settings):
+            yield alone, d3d
+    finally:
+        threads = engine_modules(drafter).threads
+        if threads is not None:
+            threads.CPUWorkerPools().release_own()
 
 
 def warm_up(target, drafter, tokenizer, prompt: str) -> tuple[LiveDecode, LiveDecode]:

@@ -1,6 +1,7 @@
 """The Space's logic on tiny saved models (token kinds, live statistics, settings) and its streaming API endpoint."""
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from transformers import PreTrainedTokenizerFast
 
 from cli.main import build_parser
 from conftest import run_without_project
+from cpu_pools import gone, needs_libgomp, pool_of_this_thread, two_torch_threads  # noqa: F401 (a fixture)
 from space_app.decoding import (
     CACHE, DRAFT, TARGET, Detokenizer, Settings, check_settings, compare_live, decode_live, default_settings,
     encode_prompt, engine_modules, prepare_request, token_kinds, warm_up,
@@ -87,6 +89,24 @@ def test_compare_live_streams_the_target_alone_then_d3d_and_both_equal_greedy(sp
     assert (alone, d3d) == (len(reference), len(reference))
     assert any(d is None and 0 < a < len(reference) for a, d in updates), "the target alone streams token by token"
     assert any(d is not None and 0 < d < len(reference) for _, d in updates), "D3D streams round by round"
+
+
+@needs_libgomp
+def test_the_thread_that_ran_a_comparison_keeps_no_cpu_worker_pool(space_models, two_torch_threads):
+    """Gradio runs each request on one of its worker threads, which live on idle; the warm-up runs on the main
+    thread. A pool left on any of them made the next request's target alone 2x slower on a 2-core CPU."""
+    target, drafter, tokenizer = space_models
+    prompt_ids = prepare_request(target, drafter, tokenizer, PROMPT, GREEDY)
+
+    def request() -> set[int]:
+        pool = pool_of_this_thread()
+        for _ in compare_live(target, drafter, tokenizer, prompt_ids, GREEDY):
+            pass
+        return pool
+
+    with ThreadPoolExecutor(1) as worker:  # its thread lives on, as Gradio's do
+        pool = worker.submit(request).result(60)
+        assert pool and gone(pool, timeout=0)
 
 
 def test_the_warm_up_decodes_both_columns_at_the_page_defaults(space_models):
