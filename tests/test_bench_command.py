@@ -66,10 +66,11 @@ def test_bench_concurrency_writes_table_json_and_plot(tmp_path, capsys):
                  "--prompts", str(prompts), "--max-new-tokens", "10", "--concurrency", "1,2,4", "--async-budget", "2x1",
                  "--output", str(tmp_path / "bench")])
     assert code == 0
-    assert "| D3D async C=2 F=1 tok/s |" in capsys.readouterr().out
+    assert "| D3D async C=2 F=1 tok/s | speedup | D3D server tok/s |" in capsys.readouterr().out
     results = json.loads((tmp_path / "bench" / "concurrency.json").read_text())
     assert [row["concurrency"] for row in results["levels"]] == [1, 2, 4]
     for row in results["levels"]:
-        assert row["requests"] == 5 and row["sync"]["lossless"] and row["async"]["lossless"]
+        assert row["requests"] == 5 and row["sync"]["lossless"] and row["async"]["lossless"] and row["server"]["lossless"]
         assert row["sync"]["tau"] >= 1 and row["sync"]["hit_rate"] is None and row["async"]["hit_rate"] is not None
+        assert row["server"]["tau"] >= 1 and row["server"]["batched_rounds"] >= 1 and row["server"]["hit_rate"] is None
     assert (tmp_path / "bench" / "concurrency.png").stat().st_size > 0
