@@ -21,10 +21,9 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from cli.dtype import DtypeChoice, add_argument, choose_dtype
 from modeling_d3d import D3DForBlockDiffusion
-from modeling_d3d.caches_d3d import StaticKVCache
-from modeling_d3d.generation_d3d import compiled_engine_size
-from modeling_d3d.passes_d3d import PassLayout, compiled_passes, fixed_shapes, prefill, run_pass
-from modeling_d3d.sources_d3d import BlockSource, RowSampling, SuccessorSource
+from modeling_d3d.engine_d3d import RowSettings, SpeculativeEngine
+from modeling_d3d.generation_d3d import build_engine, make_source
+from modeling_d3d.sources_d3d import DEFAULT_FANOUT, RowSampling, SuccessorSource
 from modeling_d3d.streams_d3d import synchronize
 
 # Shapes of the paper's models (Qwen3 configs); the drafter is D3D-8B pruned to 31 layers.
@@ -67,45 +66,54 @@ def interleaved_seconds(calls: dict[str, tuple[Callable[[], object], torch.devic
     return {name: sorted(values)[len(values) // 2] for name, values in times.items()}
 
 
+def one_row_engine(target, drafter, prefix: list[int], max_length: int, compile: bool,
+                   stack: ExitStack) -> SpeculativeEngine:
+    """The engine `speculative_generate` builds for one prompt of up to `max_length` tokens (`build_engine`: the same
+    sizes, compiled passes and pooled caches; drafter None: the target alone, else D3D sync), holding `prefix` as its
+    row (prefilled; its last token the anchor); closed when `stack` closes."""
+    source = make_source(drafter, False, None, DEFAULT_FANOUT, None, None, compile)
+    engine = build_engine(target, source, 1, max_length, compile)
+    stack.callback(engine.close)
+    engine.add(0, prefix, RowSettings(max_length - len(prefix)))
+    return engine
+
+
+def verify_pass(engine: SpeculativeEngine) -> Callable[[], object]:
+    """The engine's verify pass over its row, ready to time (every call verifies the same columns: nothing grows)."""
+    return lambda: engine.verify(None)
+
+
+def block_pass(engine: SpeculativeEngine) -> Callable[[], object]:
+    """The engine's drafting pass for its row (its `BlockSource.propose`), ready to time."""
+    row = engine.rows[0]
+    return lambda: engine.source.propose([row.drafter_context], [row.sampling])
+
+
 @torch.no_grad()
-def target_pass_seconds(target, prefix: list[int], n: int, repeats: int, compile: bool = False) -> float:
-    """The engine's verify pass over `n` new tokens after `prefix`, timed (`verify_pass`)."""
+def engine_pass_seconds(target, drafter, prefix_length: int = 256, repeats: int = 50, compile: bool = False) -> dict:
+    """t_T(1), t_T(B) (the target's verify pass over 1 and B tokens) and t_D(B) (the drafter's block pass), eager or
+    compiled, as the engines of one prompt of `prefix_length + B` tokens run them (the target alone, and D3D sync)
+    after a random `prefix_length`-token prefix, timed in alternation (`interleaved_seconds`)."""
+    vocab = target.config.get_text_config().vocab_size
+    prefix = torch.randint(0, vocab, (prefix_length,), generator=torch.Generator().manual_seed(0)).tolist()
+    max_length = prefix_length + drafter.config.block_size
     with ExitStack() as stack:
-        return seconds(verify_pass(target, prefix, n, compile, stack), repeats, target.device)
-
-
-def verify_pass(target, prefix: list[int], n: int, compile: bool, stack: ExitStack,
-                max_length: int | None = None) -> Callable[[], object]:
-    """The engine's verify pass, ready to time: `target` over `n` new tokens after a committed prefix (one row),
-    eager or through the engine's compiled verify forward (`compiled_passes`, kept on the target; compiled by the
-    first call) on a cache of the slots and columns a compiled engine of one row of up to `max_length` tokens
-    (default: the prefix and `n`) verifying `n` tokens a pass has (taken from the passes' pool and given back when
-    `stack` closes, as the engine's is), so the graph timed is the one the engine runs (and the engine's first
-    calls do not compile or record it again)."""
-    width = max(n, 1)
-    max_length = len(prefix) + width if max_length is None else max_length
-    forward = None
-    if not compile:
-        cache = StaticKVCache(target.config, 1, len(prefix) + width, target.device, target.dtype)
-    else:
-        passes = compiled_passes(target)
-        forward = passes.forward("verify")
-        slots, length = compiled_engine_size(1, max_length, fixed_shapes(forward))
-        cache = passes.caches.take(target.config, slots, length + width, target.device, target.dtype)  # as the engine
-        stack.callback(passes.caches.put, cache)
-    prefill(target, cache, 0, prefix)
-    layout = PassLayout.causal(torch.tensor([prefix[-width:]]), torch.tensor([len(prefix)]))
-    return lambda: run_pass(target, cache, layout, width, forward=forward)
+        alone = one_row_engine(target, None, prefix, max_length, compile, stack)
+        d3d = one_row_engine(target, drafter, prefix, max_length, compile, stack)
+        return interleaved_seconds({
+            "t_target_1": (verify_pass(alone), target.device),
+            "t_target_b": (verify_pass(d3d), target.device),
+            "t_drafter_b": (block_pass(d3d), drafter.device),
+        }, repeats)
 
 
 @torch.no_grad()
-def drafter_pass_seconds(drafter, prefix: list[int], budgets: list[tuple[int, int]], repeats: int) -> dict:
-    """The engine's drafting passes after a committed prefix, eager: one block pass (`block_pass`) and, per `(C, F)`,
-    the packed successor pass (`SuccessorSource` propose + observe, less the block pass)."""
+def successor_pass_seconds(drafter, prefix: list[int], budgets: list[tuple[int, int]], repeats: int,
+                           block_seconds: float) -> dict:
+    """Per `(C, F)`, the engine's packed successor pass after a committed prefix, eager: `SuccessorSource` propose +
+    observe after a miss (its context grows a token a call), less the block pass (`block_seconds`)."""
     sampling = [RowSampling()]
-    with ExitStack() as stack:
-        block = block_pass(drafter, prefix, False, stack, len(prefix) + drafter.config.block_size)
-        times = {"block": seconds(block, repeats, drafter.device)}
+    times = {}
     for coverage, fanout in budgets:
         with SuccessorSource(drafter, coverage, fanout) as source:
             source.allocate(1, len(prefix) + 2 * repeats + 4)
@@ -118,47 +126,8 @@ def drafter_pass_seconds(drafter, prefix: list[int], budgets: list[tuple[int, in
                 source.branches[0] = None  # the next call drafts again, as after a miss
                 context.append(context[-1])
 
-            times[f"{coverage}x{fanout}"] = max(seconds(round_trip, repeats, drafter.device) - times["block"], 0.0)
+            times[f"{coverage}x{fanout}"] = max(seconds(round_trip, repeats, drafter.device) - block_seconds, 0.0)
     return times
-
-
-def source_size(passes, tokens: int) -> tuple[int, int]:
-    """Slots and capacity the engine allocates its drafter source with for one row of up to `tokens` tokens (eager:
-    `passes` None)."""
-    if passes is None:
-        return 1, tokens + 1
-    slots, length = compiled_engine_size(1, tokens, passes.fixed_shapes)
-    return slots, length + 1
-
-
-def block_pass(drafter, prefix: list[int], compile: bool, stack: ExitStack, max_length: int) -> Callable[[], object]:
-    """The engine's block pass, ready to time: `BlockSource.propose` after a committed prefix (every call drafts the
-    same block, so nothing grows), eager or through the drafter's compiled passes (`compiled_passes`) on a cache of
-    the size a compiled engine of one row of up to `max_length` tokens gives its source, from their pool (given
-    back when `stack` closes)."""
-    passes = compiled_passes(drafter) if compile else None
-    block = stack.enter_context(BlockSource(drafter, passes=passes))
-    block.allocate(*source_size(passes, max_length))
-    block.add(0, prefix)
-    return lambda: block.propose([prefix], [RowSampling()])
-
-
-@torch.no_grad()
-def engine_pass_seconds(target, drafter, prefix_length: int = 256, repeats: int = 50, compile: bool = False) -> dict:
-    """t_T(1), t_T(B) (the target's verify pass over 1 and B tokens) and t_D(B) (the drafter's block pass), eager or
-    compiled as the engine runs them, on a random `prefix_length`-token prefix, timed in alternation
-    (`interleaved_seconds`). Compiled, all three use the caches of one engine of one row of up to `prefix_length +
-    B` tokens (with fixed shapes the caches' columns are bucketed, and a pass attends over all of them)."""
-    vocab = target.config.get_text_config().vocab_size
-    prefix = torch.randint(0, vocab, (prefix_length,), generator=torch.Generator().manual_seed(0)).tolist()
-    block_size = drafter.config.block_size
-    max_length = prefix_length + block_size
-    with ExitStack() as stack:
-        return interleaved_seconds({
-            "t_target_1": (verify_pass(target, prefix, 1, compile, stack, max_length), target.device),
-            "t_target_b": (verify_pass(target, prefix, block_size, compile, stack, max_length), target.device),
-            "t_drafter_b": (block_pass(drafter, prefix, compile, stack, max_length), drafter.device),
-        }, repeats)
 
 
 def measure(preset: str, device: str, drafter_device: str, prefix_length: int, block_size: int,
@@ -169,16 +138,17 @@ def measure(preset: str, device: str, drafter_device: str, prefix_length: int, b
     drafter_shape, drafter_layers = DRAFTER_SHAPE[preset]
     backbone = random_model(PRESETS[drafter_shape], drafter_layers, drafter_device, dtype)
     drafter = D3DForBlockDiffusion.from_backbone(backbone, block_size=block_size).to(drafter_device, dtype).eval()
-    prefix = torch.randint(0, shape["vocab_size"] - 1, (prefix_length,), generator=torch.Generator().manual_seed(0)).tolist()
-    result = {
+    passes = engine_pass_seconds(target, drafter, prefix_length, repeats)
+    prefix = torch.randint(0, shape["vocab_size"], (prefix_length,), generator=torch.Generator().manual_seed(0)).tolist()
+    successors = successor_pass_seconds(drafter, prefix, budgets, repeats, passes["t_drafter_b"])
+    return {
         "preset": preset, "device": torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "cpu",
         "dtype": choice.description,
         "prefix_length": prefix_length, "block_size": block_size,
-        "target_seconds": {n: target_pass_seconds(target, prefix, n, repeats) for n in (1, block_size)},
-        "drafter_seconds": drafter_pass_seconds(drafter, prefix, budgets, repeats),
+        "target_seconds": {1: passes["t_target_1"], block_size: passes["t_target_b"]},
+        "drafter_seconds": {"block": passes["t_drafter_b"], **successors},
         "budget_tokens": {f"{c}x{f}": block_size * ((c - 1) * f + 2) for c, f in budgets},
     }
-    return result
 
 
 def markdown(result: dict) -> str:

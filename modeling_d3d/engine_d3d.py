@@ -27,7 +27,7 @@ from .acceptance_d3d import greedy_accept, rejection_sample
 from .caches_d3d import StaticKVCache
 from .drafting_d3d import ends_row_only, process
 from .passes_d3d import CompiledPasses, PassLayout, compiled_passes, prefill, run_pass
-from .sources_d3d import DrafterSource, DraftTiming, RowSampling
+from .sources_d3d import DrafterSource, DraftTiming, Proposal, RowSampling
 from .streams_d3d import Clock, seconds, synchronize
 
 
@@ -314,7 +314,7 @@ class SpeculativeEngine:
         if self.source is not None:
             proposal = self.source.propose(contexts, [row.sampling for row in self.rows])
         verify_start = self.clock.mark()
-        logits = self._verify(proposal)
+        logits = self.verify(proposal)
         verify_end = self.clock.mark()
         outcomes = self._accept(proposal, logits)  # its one read: the verify pass has run
         drafting = DraftTiming()
@@ -330,9 +330,10 @@ class SpeculativeEngine:
         self.record.compilations += compiled_graphs() - graphs_before
         return outcomes
 
-    def _verify(self, proposal) -> torch.Tensor:
-        """One target pass over `[anchor, drafts]` per row: logits `(rows, width, vocab)` float32; the cache gains the
-        columns, committed as far as accepted."""
+    def verify(self, proposal: Proposal | None) -> torch.Tensor:
+        """One target pass over `[anchor, drafts]` per row (`proposal` None: the drafts' columns zero, as `d3d bench`
+        times the pass): logits `(rows, width, vocab)` float32; the cache gains the columns, committed as far as
+        `step` accepts."""
         ids = torch.zeros(len(self.rows), self.width, dtype=torch.long)  # the drafts' columns filled on the device
         ids[:, 0] = torch.tensor([row.last_token for row in self.rows], dtype=torch.long)
         starts = torch.tensor(self.cache.committed[: len(self.rows)], dtype=torch.long)

@@ -59,6 +59,19 @@ def make_source(drafter, asynchronous: bool, coverage, fanout, drafter_device, w
     return BlockSource(drafter, passes=passes)
 
 
+def build_engine(model, source, rows: int, max_length: int, compile: bool = False) -> SpeculativeEngine:
+    """The engine `speculative_generate` decodes `rows` prompts of up to `max_length` tokens with (compiled: sized by
+    `compiled_engine_size`); `source` is closed if the engine cannot be built."""
+    if compile:
+        rows, max_length = compiled_engine_size(rows, max_length, compiled_passes(model).fixed_shapes)
+    try:
+        return SpeculativeEngine(model, source, max_rows=rows, max_length=max_length, compile=compile)
+    except BaseException:
+        if source is not None:
+            source.close()
+        raise
+
+
 def speculative_generate(
     model,
     input_ids: torch.LongTensor,
@@ -110,15 +123,7 @@ def speculative_generate(
     max_new_tokens = generation_config.max_length - input_ids.shape[1]
     longest_prompt = max([len(p) for p in prompts] + [len(drafter_prompt or [])])
     source = make_source(drafter, asynchronous, coverage, fanout, drafter_device, worker_threads, compile)
-    rows, max_length = batch, longest_prompt + max_new_tokens
-    if compile:
-        rows, max_length = compiled_engine_size(batch, max_length, compiled_passes(model).fixed_shapes)
-    try:
-        engine = SpeculativeEngine(model, source, max_rows=rows, max_length=max_length, compile=compile)
-    except BaseException:
-        if source is not None:
-            source.close()
-        raise
+    engine = build_engine(model, source, batch, longest_prompt + max_new_tokens, compile)
     if round_record is not None:
         engine.record = round_record
     if drafter is not None:
@@ -161,4 +166,4 @@ def pad_outputs(input_ids: torch.LongTensor, generated: dict[int, list[int]], ge
     return torch.cat([input_ids, tail.to(input_ids.device)], dim=1)
 
 
-__all__ = ["COMPILE_LENGTH_BUCKET", "compiled_engine_size", "front_door_kwargs", "make_source", "speculative_generate"]
+__all__ = ["COMPILE_LENGTH_BUCKET", "build_engine", "compiled_engine_size", "front_door_kwargs", "make_source", "speculative_generate"]
