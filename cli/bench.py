@@ -133,7 +133,7 @@ def run_concurrency(target, drafter, sets: dict[str, list[torch.Tensor]], args: 
     results["dtype"] = choice.description
     table = concurrency.write(results, Path(args.output)) if args.output else concurrency.markdown(results)
     print(table)
-    return 0 if all(row[name]["lossless"] for row in results["levels"] for name in ("sync", "async")) else 1
+    return 0 if all(row[name]["lossless"] for row in results["levels"] for name in ("sync", "async", "server")) else 1
 
 
 def run_vllm(python: str, target, drafter, sets: dict[str, list[torch.Tensor]], args: argparse.Namespace,

@@ -303,6 +303,7 @@ class SuccessorSource(BlockSource):
         self._closed = False
         self._pending: Future | None = None
         self._worker_ran = False  # a pass ran on the worker since its pool was last given back
+        self._cpu_pools: CPUWorkerPools | None = None  # found when first needed
         self._stream = side_stream(self.device)
         self._clock = Clock(self.device)
         shared = passes.worker() if passes is not None else None  # last: nothing after it can fail and leave it
@@ -475,8 +476,9 @@ class SuccessorSource(BlockSource):
         nothing to do if no pass ran since the last time."""
         self.wait()
         if self._worker_ran:
-            self._executor.submit(CPUWorkerPools().release_own).result()  # the worker is free: nothing else queued
             self._worker_ran = False
+            self._cpu_pools = self._cpu_pools or CPUWorkerPools()
+            self._executor.submit(self._cpu_pools.release_own).result()  # after `wait`: no pass of this source queued
 
     def close(self) -> None:
         self._closed = True

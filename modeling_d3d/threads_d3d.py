@@ -15,36 +15,48 @@ import os
 OMP_PAUSE_SOFT = 1  # omp_pause_resource_t; libgomp releases the calling thread's pool for either kind
 
 
-def loaded_libgomp() -> str | None:
-    """The path of the libgomp this process has loaded (PyTorch's, whatever its file is called), or None."""
+def loaded_libgomps() -> list[str]:
+    """The paths of every libgomp this process has loaded (PyTorch's, whatever its file is called, and any other
+    library's copy; not its offload plugins), or none."""
+    paths = []
     try:
-        with open("/proc/self/maps") as maps:
+        with open("/proc/self/maps", "rb") as maps:
             for line in maps:
                 fields = line.split(maxsplit=5)
-                if len(fields) == 6 and os.path.basename(fields[5].strip()).startswith("libgomp"):
-                    return fields[5].strip()
+                if len(fields) < 6 or fields[5].rstrip().endswith(b"(deleted)"):
+                    continue
+                path = os.fsdecode(fields[5].rstrip())
+                name = os.path.basename(path)
+                if name.startswith("libgomp") and not name.startswith("libgomp-plugin") and path not in paths:
+                    paths.append(path)
     except OSError:  # no /proc: not Linux
         pass
-    return None
+    return paths
 
 
 class CPUWorkerPools:
-    """The process's OpenMP worker pools, found once (a few hundred microseconds); `release_own` then costs
+    """The process's OpenMP runtimes, found once (a few hundred microseconds); `release_own` then costs
     microseconds. Where no libgomp is loaded (macOS's libomp, Windows, another backend) it does nothing."""
 
     def __init__(self):
-        self._pause = None
-        path = loaded_libgomp()
-        if path is not None:
+        self._pauses = []
+        for path in loaded_libgomps():
             try:  # the library already loaded, never a second copy
-                self._pause = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY).omp_pause_resource_all
+                self._pauses.append(ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY).omp_pause_resource_all)
             except (OSError, AttributeError):  # an old libgomp, without OpenMP 5.0's pause
                 pass
 
+    @property
+    def available(self) -> bool:
+        """Whether a loaded libgomp can release pools."""
+        return bool(self._pauses)
+
     def release_own(self) -> bool:
-        """Release the calling thread's pool (`omp_pause_resource_all`: libgomp ends the pool's threads); False if
-        there is no libgomp or it refused (inside a parallel region)."""
-        return self._pause is not None and self._pause(OMP_PAUSE_SOFT) == 0
+        """Release the calling thread's pool in every loaded libgomp (`omp_pause_resource_all`: libgomp ends the
+        pool's threads; nothing where the thread has none); False if there is no libgomp or one refused (inside a
+        parallel region)."""
+        results = [pause(OMP_PAUSE_SOFT) == 0 for pause in self._pauses]
+        return bool(results) and all(results)
 
 
-__all__ = ["CPUWorkerPools", "loaded_libgomp"]
+__all__ = ["CPUWorkerPools", "loaded_libgomps"]

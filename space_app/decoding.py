@@ -92,9 +92,10 @@ def engine_modules(drafter) -> EngineModules:
     """The drafter's own `engine_d3d`, `sources_d3d`, `settings_d3d` and `threads_d3d` modules (its remote code when
     loaded from the Hub)."""
     package = type(drafter).__module__.rpartition(".")[0]
-    engine, sources, settings = (importlib.import_module(f"{package}.{name}_d3d") for name in ("engine", "sources", "settings"))
-    threads = importlib.import_module(f"{package}.threads_d3d") if importlib.util.find_spec(f"{package}.threads_d3d") else None
-    return EngineModules(engine, sources, settings, threads)
+    engine, sources, settings = (importlib.import_module(f"{package}.{name}_d3d")
+                                 for name in ("engine", "sources", "settings"))
+    found = importlib.util.find_spec(f"{package}.threads_d3d") is not None
+    return EngineModules(engine, sources, settings, importlib.import_module(f"{package}.threads_d3d") if found else None)
 
 
 def token_kinds(outcome) -> list[str]:
@@ -234,15 +235,17 @@ def compare_live(
 
     Each call makes its own engines (closed at the end): concurrent calls share only the weights. At the end the
     thread that ran the last round gives back its CPU worker pool (`threads_d3d`): the next request may run on
-    another of the server's threads, which an idle pool would slow.
+    another of the server's threads, which an idle pool would slow. (Gradio resumes a generator on its most recently
+    idle worker thread, so a request's rounds normally stay on one thread; one that ran only earlier rounds keeps
+    its pool until it ends, after 10 idle seconds.)
     """
+    threads = engine_modules(drafter).threads
     try:
         for alone in decode_live(target, drafter, tokenizer, prompt_ids, settings, draft=False):
             yield alone, None
         for d3d in decode_live(target, drafter, tokenizer, prompt_ids, settings):
             yield alone, d3d
     finally:
-        threads = engine_modules(drafter).threads
         if threads is not None:
             threads.CPUWorkerPools().release_own()
 

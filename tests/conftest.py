@@ -83,6 +83,16 @@ def one_torch_thread():
 
 
 @pytest.fixture
+def two_torch_threads():
+    """Two CPU threads per parallel kernel (so a kernel starts an OpenMP pool even on a one-core machine), restored
+    after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def drafter() -> D3DForBlockDiffusion:
     return tiny_drafter()
 

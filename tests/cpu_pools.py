@@ -7,18 +7,11 @@ import time
 import pytest
 import torch
 
-from modeling_d3d.threads_d3d import loaded_libgomp
+from modeling_d3d.threads_d3d import CPUWorkerPools
 
-needs_libgomp = pytest.mark.skipif(loaded_libgomp() is None, reason="PyTorch's CPU kernels here do not run on libgomp")
-
-
-@pytest.fixture
-def two_torch_threads():
-    """Two CPU threads per parallel kernel (so a kernel starts a pool even on a one-core machine), restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
+needs_libgomp = pytest.mark.skipif(not CPUWorkerPools().available,
+                                   reason="PyTorch's CPU kernels here do not run on a libgomp that can release pools")
+RELEASED = 5.0  # seconds: a joined thread may stay listed in /proc/self/task for a moment
 
 
 def task_ids() -> set[int]:

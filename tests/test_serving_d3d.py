@@ -10,7 +10,7 @@ from transformers import (LogitsProcessor, StoppingCriteria, StoppingCriteriaLis
                           TopKLogitsWarper, TopPLogitsWarper)
 
 from conftest import tiny_target, word_tokenizer
-from cpu_pools import gone, needs_libgomp, parallel_kernel, pool_of_this_thread, task_ids, two_torch_threads  # noqa: F401
+from cpu_pools import RELEASED, gone, needs_libgomp, parallel_kernel, pool_of_this_thread, task_ids
 from modeling_d3d import D3DBatchServer, D3DForBlockDiffusion
 from modeling_d3d.threads_d3d import CPUWorkerPools
 
@@ -357,11 +357,11 @@ def test_the_threads_that_build_and_feed_a_server_and_its_idle_scheduler_keep_no
     CPUWorkerPools().release_own()
     builder = pool_of_this_thread()
     with D3DBatchServer(target, drafter, asynchronous=asynchronous) as server:
-        assert builder and gone(builder, timeout=0), "the building thread's pool is released"
+        assert builder and gone(builder, timeout=RELEASED), "the building thread's pool is released"
         submitter = pool_of_this_thread()
         before, kernel = task_ids(), ParallelKernel()
         handle = server.submit(prompts(1)[0], max_new_tokens=6, logits_processor=[kernel])
-        assert submitter and gone(submitter, timeout=0), "the submitting thread's pool is released"
+        assert submitter and gone(submitter, timeout=RELEASED), "the submitting thread's pool is released"
         handle.result(WAIT)
         python_threads = {thread.native_id for thread in threading.enumerate()}  # the drafting worker, started since
         pools = kernel.threads - before - python_threads

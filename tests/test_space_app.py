@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerFast
 
 from cli.main import build_parser
 from conftest import run_without_project
-from cpu_pools import gone, needs_libgomp, pool_of_this_thread, two_torch_threads  # noqa: F401 (a fixture)
+from cpu_pools import RELEASED, gone, needs_libgomp, pool_of_this_thread
 from space_app.decoding import (
     CACHE, DRAFT, TARGET, Detokenizer, Settings, check_settings, compare_live, decode_live, default_settings,
     encode_prompt, engine_modules, prepare_request, token_kinds, warm_up,
@@ -106,7 +106,7 @@ def test_the_thread_that_ran_a_comparison_keeps_no_cpu_worker_pool(space_models,
 
     with ThreadPoolExecutor(1) as worker:  # its thread lives on, as Gradio's do
         pool = worker.submit(request).result(60)
-        assert pool and gone(pool, timeout=0)
+        assert pool and gone(pool, timeout=RELEASED)
 
 
 def test_the_warm_up_decodes_both_columns_at_the_page_defaults(space_models):
