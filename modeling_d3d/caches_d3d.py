@@ -82,11 +82,12 @@ class StaticKVCache:
 
 
 def cache_key(config, slots: int, capacity: int, device, dtype: torch.dtype) -> tuple:
-    """What makes two caches interchangeable: geometry, device and dtype."""
+    """What makes two caches interchangeable: geometry, device, dtype, and whether they are made (now) under
+    `torch.inference_mode()` (its tensors can be updated in place only under it)."""
     text = config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     return (text.num_hidden_layers, text.num_key_value_heads, head_dim, slots, capacity, str(torch.device(device)),
-            dtype)
+            dtype, torch.is_inference_mode_enabled())
 
 
 class CachePool:

@@ -22,7 +22,7 @@ from .generation_d3d import make_source
 from .inputs_d3d import check_prompts
 from .settings_d3d import row_settings
 from .sources_d3d import DEFAULT_FANOUT
-from .threads_d3d import CPUWorkerPools
+from .threads_d3d import CPUWorkerPools, in_callers_modes
 
 DEFAULT_MAX_LENGTH = 4096
 
@@ -176,7 +176,8 @@ class D3DBatchServer:
         self._condition = threading.Condition()
         self._closed = False
         self._stopped: BaseException | None = None  # why the scheduler ended, once it has
-        self._thread = threading.Thread(target=self._schedule, name="d3d-batch-server", daemon=True)
+        self._thread = threading.Thread(target=in_callers_modes(self._schedule), name="d3d-batch-server",
+                                        daemon=True)  # in the modes the caches were made in
         self._thread.start()
 
     @property

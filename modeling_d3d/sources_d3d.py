@@ -28,7 +28,7 @@ from .drafting_d3d import (block_pass, choose, context_free, ends_row_only, plan
                             successor_pass)
 from .passes_d3d import CompiledPasses, prefill
 from .streams_d3d import Clock, Fence, current_stream, handoff, seconds, side_stream, upload, use_stream
-from .threads_d3d import CPUWorkerPools
+from .threads_d3d import CPUWorkerPools, in_callers_modes
 
 DEFAULT_COVERAGE = 12
 DEFAULT_FANOUT = 2
@@ -364,7 +364,8 @@ class SuccessorSource(BlockSource):
         drafted = Fence(self.device, "the drafts").record()
         handoff(worker_inputs, self._stream)
         exposed = time.perf_counter() - start
-        self._pending = self._executor.submit(self._prepare, contexts, *worker_inputs, sampling, drafted)
+        self._pending = self._executor.submit(in_callers_modes(self._prepare), contexts, *worker_inputs, sampling,
+                                              drafted)
         self._worker_ran = True
         return Proposal(drafts, num_drafts, logits, looked_up, [index is not None for index in found], exposed,
                         errors=errors)

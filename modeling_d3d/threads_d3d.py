@@ -1,4 +1,11 @@
-"""Threads that compute in bursts, or hand their work to another thread, give back their CPU worker pool.
+"""What a thread that computes for another needs: the caller's grad and inference modes, and CPU worker pools
+given back.
+
+PyTorch's inference and grad modes are per thread, and tensors made under `torch.inference_mode()` (caches allocated
+by a caller in it) can be updated in place only under it: a worker thread runs its job in the modes of the thread
+that handed it over (`in_callers_modes`).
+
+Threads that compute in bursts, or hand their work to another thread, give back their CPU worker pool.
 
 With GNU OpenMP (libgomp: the parallel backend of PyTorch's CPU kernels in its Linux wheels, MKL and oneDNN
 included), every thread that has run a parallel CPU kernel keeps a pool of worker threads until it ends. While the
@@ -11,6 +18,9 @@ result.
 
 import ctypes
 import os
+from collections.abc import Callable
+
+import torch
 
 OMP_PAUSE_SOFT = 1  # omp_pause_resource_t; libgomp releases the calling thread's pool for either kind
 
@@ -59,4 +69,15 @@ class CPUWorkerPools:
         return bool(results) and all(results)
 
 
-__all__ = ["CPUWorkerPools", "loaded_libgomps"]
+def in_callers_modes(job: Callable) -> Callable:
+    """`job`, to be run on another thread, wrapped to run under the calling thread's inference and grad modes."""
+    inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+
+    def run(*args, **kwargs):
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            return job(*args, **kwargs)
+
+    return run
+
+
+__all__ = ["CPUWorkerPools", "in_callers_modes", "loaded_libgomps"]

@@ -235,3 +235,26 @@ def test_the_bounds_fixed_shape_passes_have_the_engines_shapes():
     finally:
         for model in held:
             release_compiled_passes(model)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_calls_in_and_out_of_inference_mode_stay_lossless_with_pooled_caches(asynchronous):
+    """Users decode under `torch.inference_mode()`: the drafting worker runs in the caller's modes (caches made under
+    it can be updated in place only under it), and a pooled cache made under it is not handed to a later call
+    outside it (nor the other way round). The fixed-shape path, forced eagerly, pools every cache."""
+    target, drafter = pair(4)
+    held = {model: CompiledPasses(model, fixed=True, compile=False) for model in (target, drafter)}
+    for model, passes in held.items():
+        model.d3d_compiled_passes = passes
+    try:
+        ids, mask = prompts([6, 3], 9)
+        expected = target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+        for inference in (True, False, True):
+            with torch.inference_mode(inference):
+                output = target.generate(ids, attention_mask=mask, custom_generate=speculative_generate,
+                                         drafter=drafter, compile=True, asynchronous=asynchronous,
+                                         max_new_tokens=10, do_sample=False)
+            assert torch.equal(output, expected), inference
+    finally:
+        for model in held:
+            release_compiled_passes(model)

@@ -367,3 +367,13 @@ def test_the_threads_that_build_and_feed_a_server_and_its_idle_scheduler_keep_no
         pools = kernel.threads - before - python_threads
         assert len(pools) >= 1 + asynchronous, "the request's kernels started a pool on each computing thread"
         assert gone(pools, timeout=WAIT), "the idle scheduler (and drafting worker) released their pools"
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_server_built_under_inference_mode_decodes_losslessly(models, asynchronous):
+    """Its caches are inference tensors, which only a thread in inference mode may update: the scheduler and the
+    drafting worker run in the modes of the thread that built the server."""
+    target, drafter = models
+    requests = prompts(3, seed=5)
+    with torch.inference_mode(), D3DBatchServer(target, drafter, asynchronous=asynchronous) as server:
+        assert submitted_together(server, requests, max_new_tokens=12) == [alone(target, p, 12) for p in requests]
