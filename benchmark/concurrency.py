@@ -16,8 +16,10 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+from transformers import GenerationConfig
 
 from modeling_d3d.engine_d3d import RoundRecord
+from modeling_d3d.generation_d3d import pad_outputs
 from modeling_d3d.serving_d3d import D3DBatchServer
 from modeling_d3d.streams_d3d import synchronize
 
@@ -64,9 +66,7 @@ def served(server: D3DBatchServer, ids: torch.Tensor, mask: torch.Tensor, pad_to
     rows = [handle.result(timeout=3600) for handle in handles]
     for key in COUNTERS:
         setattr(record, key, getattr(server.stats, key) - before[key])
-    width = max(len(row) for row in rows)
-    return torch.cat([ids.cpu(), torch.tensor([row + [pad_token_id] * (width - len(row)) for row in rows],
-                                              dtype=torch.long).reshape(len(rows), width)], dim=1)
+    return pad_outputs(ids.cpu(), dict(enumerate(rows)), GenerationConfig(pad_token_id=pad_token_id))
 
 
 def fresh(records: dict[str, RoundRecord], name: str) -> RoundRecord:

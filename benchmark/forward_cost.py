@@ -66,6 +66,12 @@ def interleaved_seconds(calls: dict[str, tuple[Callable[[], object], torch.devic
     return {name: sorted(values)[len(values) // 2] for name, values in times.items()}
 
 
+def random_prefix(model, length: int) -> list[int]:
+    """`length` token ids drawn from `model`'s vocabulary, the same for every call (seed 0)."""
+    vocab = model.config.get_text_config().vocab_size
+    return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
 def one_row_engine(target, drafter, prefix: list[int], max_length: int, compile: bool,
                    stack: ExitStack) -> SpeculativeEngine:
     """The engine `speculative_generate` builds for one prompt of up to `max_length` tokens (`build_engine`: the same
@@ -94,8 +100,7 @@ def engine_pass_seconds(target, drafter, prefix_length: int = 256, repeats: int 
     """t_T(1), t_T(B) (the target's verify pass over 1 and B tokens) and t_D(B) (the drafter's block pass), eager or
     compiled, as the engines of one prompt of `prefix_length + B` tokens run them (the target alone, and D3D sync)
     after a random `prefix_length`-token prefix, timed in alternation (`interleaved_seconds`)."""
-    vocab = target.config.get_text_config().vocab_size
-    prefix = torch.randint(0, vocab, (prefix_length,), generator=torch.Generator().manual_seed(0)).tolist()
+    prefix = random_prefix(target, prefix_length)
     max_length = prefix_length + drafter.config.block_size
     with ExitStack() as stack:
         alone = one_row_engine(target, None, prefix, max_length, compile, stack)
@@ -139,8 +144,8 @@ def measure(preset: str, device: str, drafter_device: str, prefix_length: int, b
     backbone = random_model(PRESETS[drafter_shape], drafter_layers, drafter_device, dtype)
     drafter = D3DForBlockDiffusion.from_backbone(backbone, block_size=block_size).to(drafter_device, dtype).eval()
     passes = engine_pass_seconds(target, drafter, prefix_length, repeats)
-    prefix = torch.randint(0, shape["vocab_size"], (prefix_length,), generator=torch.Generator().manual_seed(0)).tolist()
-    successors = successor_pass_seconds(drafter, prefix, budgets, repeats, passes["t_drafter_b"])
+    successors = successor_pass_seconds(drafter, random_prefix(target, prefix_length), budgets, repeats,
+                                        passes["t_drafter_b"])
     return {
         "preset": preset, "device": torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "cpu",
         "dtype": choice.description,

@@ -1,9 +1,9 @@
 """D3D drafter model code. Flat files with relative imports only: the folder ships to the Hub as remote code.
 
 Layers, bottom up: `configuration_d3d`, `masking_d3d`, `network_d3d` (weights and forward passes); `caches_d3d`,
-`passes_d3d` (one forward over cache rows: verify, prefill), `drafting_d3d`, `threads_d3d` (CPU worker pools),
-`acceptance_d3d`; `sources_d3d` (drafter sources); `engine_d3d` (the one loop); `settings_d3d` (generate settings -> `RowSettings`); `inputs_d3d` (the
-front doors' prompt check); front doors: `generation_d3d` (`custom_generate`), `assistant_d3d` (`assistant_model=`),
+`passes_d3d` (one forward over cache rows: verify, prefill), `drafting_d3d`, `threads_d3d` (worker threads' modes,
+CPU worker pools), `acceptance_d3d`; `sources_d3d` (drafter sources); `engine_d3d` (the one loop); `settings_d3d`
+(generate settings -> `RowSettings`); `inputs_d3d` (the front doors' prompt check); front doors: `generation_d3d` (`custom_generate`), `assistant_d3d` (`assistant_model=`),
 `prefill_d3d`, `serving_d3d`, and `modeling_d3d.D3DForBlockDiffusion` (the class users load).
 """
 

@@ -166,4 +166,5 @@ def pad_outputs(input_ids: torch.LongTensor, generated: dict[int, list[int]], ge
     return torch.cat([input_ids, tail.to(input_ids.device)], dim=1)
 
 
-__all__ = ["COMPILE_LENGTH_BUCKET", "build_engine", "compiled_engine_size", "front_door_kwargs", "make_source", "speculative_generate"]
+__all__ = ["COMPILE_LENGTH_BUCKET", "build_engine", "compiled_engine_size", "front_door_kwargs", "make_source", "pad_outputs",
+           "speculative_generate"]
