@@ -2,11 +2,15 @@
 
 Methods: the target's own `generate` (the 1.0x reference); the target alone through the engine, eager and compiled
 (its loop overhead, and the compiled baseline); Hugging Face assisted generation with an AR assistant; prompt
-lookup; D3D synchronous through the engine, eager and compiled; D3D asynchronous through the engine at the default
+lookup (transformers' loop, the ecosystem's reference, and the engine's own `lookup=True`, no drafter); D3D
+synchronous through the engine, eager and compiled; the hybrid (D3D + the engine's lookup, one chooser per row:
+`policy_d3d`) and D3D with the verify policy alone; D3D asynchronous through the engine at the default
 (C, F) and at the best (C, F) of a sweep measured first on a few prompts (the best also compiled); D3D through
 `assistant_model=drafter` (transformers' assisted loop driving the engine's source: what that path costs). Every
 method is warmed up first (for compiled methods this first call is the compile time, reported) and every output is
-checked against the target's own.
+checked against the target's own: token for token when greedy; sampled (`sampling`), by a distribution check
+(`identity.sampled_consistency`), with the ceiling τ of a perfect argmax drafter on the target's own outputs beside
+it (`identity.ceiling_tau`: what the target's entropy allows).
 
 Speedups are over the fastest target-alone baseline and over plain `generate`. The ideal bounds use the engine's own
 passes on a 256-token prefix: sync τ·t_T(1)/(t_T(B) + t_D(B)) (each round verifies a block and waits for its draft)
@@ -22,10 +26,10 @@ import torch
 from tqdm.auto import tqdm
 
 from modeling_d3d.generation_d3d import speculative_generate
-from modeling_d3d.sources_d3d import DEFAULT_COVERAGE, DEFAULT_FANOUT
+from modeling_d3d.successor_d3d import DEFAULT_COVERAGE, DEFAULT_FANOUT
 
 from .forward_cost import engine_pass_seconds
-from .identity import checks_exactly, classify
+from .identity import ceiling_tau, checks_exactly, classify, sampled_consistency
 from .measure import MethodRun, decode_one
 
 PROMPT_LOOKUP_TOKENS = 10
@@ -55,9 +59,11 @@ def compile_modes(choice: str, device: torch.device) -> list[bool]:
     return [False, True] if both else [False]
 
 
-def engine_kwargs(drafter=None, compiled: bool = False, coverage: int | None = None, fanout: int | None = None) -> dict:
-    """`generate` arguments of the engine: the target alone (`drafter=None`), D3D sync, or async at (C, F)."""
-    kwargs = {"custom_generate": speculative_generate, "drafter": drafter, "compile": compiled}
+def engine_kwargs(drafter=None, compiled: bool = False, coverage: int | None = None, fanout: int | None = None,
+                  **chooser) -> dict:
+    """`generate` arguments of the engine: the target alone (`drafter=None`), D3D sync, or async at (C, F);
+    `chooser`: `lookup=`, `policy=` (`policy_d3d.make_chooser`)."""
+    kwargs = {"custom_generate": speculative_generate, "drafter": drafter, "compile": compiled, **chooser}
     if coverage is not None:
         kwargs.update(asynchronous=True, coverage=coverage, fanout=fanout)
     return kwargs
@@ -75,7 +81,11 @@ def build_methods(drafter, assistant, default: tuple[int, int], best: tuple[int,
     if assistant is not None:
         methods.append(Method("HF assisted, AR assistant", {"assistant_model": assistant}))
     methods.append(Method(f"prompt lookup ({PROMPT_LOOKUP_TOKENS})", {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}))
+    methods += [Method(f"lookup, engine{suffix(c)}", engine_kwargs(None, c, lookup=True), compiled=c) for c in modes]
     methods += [Method(f"D3D sync{suffix(c)}", engine_kwargs(drafter, c), drafting="sync", compiled=c) for c in modes]
+    methods.append(Method("D3D sync, policy", engine_kwargs(drafter, False, policy=True), drafting="sync"))
+    methods += [Method(f"hybrid: D3D + lookup{suffix(c)}", engine_kwargs(drafter, c, lookup=True), drafting="sync",
+                       compiled=c) for c in modes]
     methods.append(Method(f"D3D async C={default[0]} F={default[1]}", engine_kwargs(drafter, False, *default),
                           drafting="async"))
     methods += [Method(f"D3D async C={best[0]} F={best[1]} (best){suffix(c)}", engine_kwargs(drafter, c, *best),
@@ -84,15 +94,16 @@ def build_methods(drafter, assistant, default: tuple[int, int], best: tuple[int,
     return methods
 
 
-def sweep_budgets(target, drafter, prompts, max_new_tokens: int, grid: list[tuple[int, int]]) -> list[dict]:
+def sweep_budgets(target, drafter, prompts, max_new_tokens: int, grid: list[tuple[int, int]],
+                  sampling: dict | None = None) -> list[dict]:
     """tokens/s, τ and hit rate of D3D async through the engine (eager) for each (C, F) on `prompts`."""
     rows = []
     for coverage, fanout in tqdm(grid, desc="(C, F) sweep"):
         kwargs = engine_kwargs(drafter, False, coverage, fanout)
-        decode_one(target, prompts[0], max_new_tokens, MethodRun("warmup"), **kwargs)
+        decode_one(target, prompts[0], max_new_tokens, MethodRun("warmup"), sampling, **kwargs)
         run = MethodRun(f"async C={coverage} F={fanout}")
         for prompt in prompts:
-            decode_one(target, prompt, max_new_tokens, run, **kwargs)
+            decode_one(target, prompt, max_new_tokens, run, sampling, **kwargs)
         budget = drafter.config.block_size * ((coverage - 1) * fanout + 2)
         rows.append({"coverage": coverage, "fanout": fanout, "budget": budget,
                      "tokens_per_second": run.tokens_per_second, "tau": run.tau, "hit_rate": run.hit_rate})
@@ -106,16 +117,16 @@ def timed_call(fn) -> float:
     return time.perf_counter() - start
 
 
-def run_methods(target, methods: list[Method], prompts: list[torch.Tensor], max_new_tokens: int
-                ) -> tuple[list[MethodRun], list[float]]:
+def run_methods(target, methods: list[Method], prompts: list[torch.Tensor], max_new_tokens: int,
+                sampling: dict | None = None) -> tuple[list[MethodRun], list[float]]:
     """Decode every prompt with every method, interleaved so machine drift hits all alike, after one warm-up call
     each. Returns the runs and each method's warm-up seconds (for compiled methods: the compile time)."""
     runs = [MethodRun(method.name) for method in methods]
     warmups = [timed_call(lambda m=method: decode_one(target, prompts[0], max_new_tokens, MethodRun("warmup"),
-                                                      **m.generate_kwargs)) for method in methods]
+                                                      sampling, **m.generate_kwargs)) for method in methods]
     for prompt in tqdm(prompts, desc="benchmark prompts"):
         for method, run in zip(methods, runs):
-            decode_one(target, prompt, max_new_tokens, run, **method.generate_kwargs)
+            decode_one(target, prompt, max_new_tokens, run, sampling, **method.generate_kwargs)
     return runs, warmups
 
 
@@ -207,14 +218,16 @@ def benchmark(
     sweep_grid: list[tuple[int, int]] | None = None,
     sweep_prompts: int = 4,
     compile: str = "auto",
+    sampling: dict | None = None,
 ) -> dict:
-    """Run the whole comparison; returns everything `bench.json` holds."""
+    """Run the whole comparison, greedy or with `sampling` (`generate`'s `do_sample`, `temperature`, `top_p`,
+    `top_k`); returns everything `bench.json` holds."""
     modes = compile_modes(compile, target.device)
     block_size = drafter.config.block_size
     default = (min(DEFAULT_COVERAGE, block_size), DEFAULT_FANOUT)
     grid = sweep_grid or sorted({default, (1, 0), (2, 1), (4, 1), (max(block_size // 2, 1), 1)})
     first_set = next(iter(prompt_sets.values()))
-    sweep = sweep_budgets(target, drafter, first_set[:sweep_prompts], max_new_tokens, grid)
+    sweep = sweep_budgets(target, drafter, first_set[:sweep_prompts], max_new_tokens, grid, sampling)
     best_row = max(sweep, key=lambda row: row["tokens_per_second"])
     best = (best_row["coverage"], best_row["fanout"])
     passes = measure_passes(target, drafter, modes)
@@ -222,14 +235,19 @@ def benchmark(
                "identity": "exact" if checks_exactly(target) else "up to near-ties",
                "block_size": block_size, "compile": compile, "modes": ["compiled" if c else "eager" for c in modes],
                "pass_prefix_length": PASS_PREFIX_LENGTH, "passes": passes, "sweep": sweep,
-               "best_budget": {"coverage": best[0], "fanout": best[1]}, "prompt_sets": {}}
+               "best_budget": {"coverage": best[0], "fanout": best[1]}, "sampling": sampling, "prompt_sets": {}}
     methods = build_methods(drafter, assistant, default, best, modes)
     for name, prompts in prompt_sets.items():
-        runs, warmups = run_methods(target, methods, prompts, max_new_tokens)
+        runs, warmups = run_methods(target, methods, prompts, max_new_tokens, sampling)
         rows = summarize(methods, runs, warmups, passes)
         for row, run in zip(rows, runs):
-            row.update(classify(target, prompts, runs[0].outputs, run.outputs))
-        results["prompt_sets"][name] = {"prompts": len(prompts), "methods": rows}
+            if sampling:  # sampled outputs differ from the reference's draws: a distribution check instead
+                check = sampled_consistency(target, prompts, runs[0].outputs, run.outputs, sampling)
+                row.update(check, lossless=check["consistent"], divergences=int(not check["consistent"]))
+            else:
+                row.update(classify(target, prompts, runs[0].outputs, run.outputs))
+        results["prompt_sets"][name] = {"prompts": len(prompts), "methods": rows, "ceiling_tau": ceiling_tau(
+            target, prompts, runs[0].outputs, block_size, sampling or {})}
     return results
 
 

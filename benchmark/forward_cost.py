@@ -23,7 +23,8 @@ from cli.dtype import DtypeChoice, add_argument, choose_dtype
 from modeling_d3d import D3DForBlockDiffusion
 from modeling_d3d.engine_d3d import RowSettings, SpeculativeEngine
 from modeling_d3d.generation_d3d import build_engine, make_source
-from modeling_d3d.sources_d3d import DEFAULT_FANOUT, RowSampling, SuccessorSource
+from modeling_d3d.acceptance_d3d import RowSampling
+from modeling_d3d.successor_d3d import DEFAULT_FANOUT, SuccessorSource
 from modeling_d3d.streams_d3d import synchronize
 
 # Shapes of the paper's models (Qwen3 configs); the drafter is D3D-8B pruned to 31 layers.
@@ -127,7 +128,7 @@ def successor_pass_seconds(drafter, prefix: list[int], budgets: list[tuple[int, 
 
             def round_trip():
                 source.propose([context], sampling)
-                source.observe([context], [0])
+                source.observe([context], [[]])
                 source.branches[0] = None  # the next call drafts again, as after a miss
                 context.append(context[-1])
 

@@ -4,6 +4,7 @@ one-token steps, so where the target's own two best tokens nearly tie the pick c
 such a mismatch is a near-tie (reported, not a failure); any other is a divergence (a failure)."""
 
 import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 # Top-2 logit margin, relative to the top logit, under which a flip is rounding: 8 bfloat16 roundings (2^-8 each).
 NEAR_TIE = 2**-5
@@ -58,4 +59,68 @@ def classify(target, prompts: list[torch.Tensor], reference: list[list[int]], ou
     return counts
 
 
-__all__ = ["CANDIDATES", "NEAR_TIE", "checks_exactly", "classify", "top2_in_float32", "top2_margin"]
+def sampling_processors(sampling: dict) -> LogitsProcessorList:
+    """The warpers `generate` builds for `sampling` (temperature, then top-k, then top-p)."""
+    processors = LogitsProcessorList()
+    if sampling.get("temperature") not in (None, 1.0):
+        processors.append(TemperatureLogitsWarper(sampling["temperature"]))
+    if sampling.get("top_k"):
+        processors.append(TopKLogitsWarper(sampling["top_k"]))
+    if sampling.get("top_p") not in (None, 1.0):
+        processors.append(TopPLogitsWarper(sampling["top_p"]))
+    return processors
+
+
+@torch.no_grad()
+def output_probabilities(target, prompt: torch.Tensor, output: list[int], sampling: dict) -> torch.Tensor:
+    """The target's processed next-token probabilities `(len(output), vocab)` at each token of `output` after
+    `prompt` `(1, L)` (what sampling with `sampling` draws each token from)."""
+    ids = torch.cat([prompt[0].cpu(), torch.tensor(output, dtype=torch.long)])[None].to(target.device)
+    logits = target(ids).logits[0, prompt.shape[1] - 1 : -1].float()
+    processors = sampling_processors(sampling)
+    rows = [processors(ids[:, : prompt.shape[1] + j], logits[j : j + 1]) for j in range(len(output))]
+    return torch.cat(rows).softmax(-1) if rows else logits.new_zeros(0, logits.shape[-1])
+
+
+def sampled_consistency(target, prompts: list[torch.Tensor], reference: list[list[int]], outputs: list[list[int]],
+                        sampling: dict) -> dict:
+    """Whether sampled `outputs` look drawn from the same distribution as the target's own sampled `reference`: every
+    token inside the sampling support, and the mean log-probability of their tokens under the target within 4
+    standard errors of the reference's (`z`). A distribution check, not token identity (sampled outputs differ)."""
+    logs = {"reference": [], "outputs": []}
+    outside = 0
+    for prompt, expected, got in zip(prompts, reference, outputs):
+        for name, tokens in (("reference", expected), ("outputs", got)):
+            if not tokens:
+                continue
+            probabilities = output_probabilities(target, prompt, tokens, sampling)
+            chosen = probabilities[torch.arange(len(tokens)), torch.tensor(tokens, device=probabilities.device)]
+            outside += int((chosen == 0).sum()) if name == "outputs" else 0
+            logs[name] += chosen.clamp(min=1e-30).log().tolist()
+    a, b = torch.tensor(logs["reference"]), torch.tensor(logs["outputs"])
+    error = float((a.var() / len(a) + b.var() / len(b)).sqrt()) if len(a) > 1 and len(b) > 1 else float("inf")
+    z = float(b.mean() - a.mean()) / error if error > 0 else 0.0
+    return {"z": z, "outside_support": outside, "consistent": outside == 0 and abs(z) < 4}
+
+
+def ceiling_tau(target, prompts: list[torch.Tensor], outputs: list[list[int]], block_size: int, sampling: dict) -> float:
+    """τ a perfect argmax drafter would reach on these outputs: it proposes the target's most probable token at every
+    position, accepted with that token's probability (greedy: always), so a round from position s keeps
+    `1 + sum_k prod_{j<k} max p_{s+j}` tokens in expectation (up to `B`); averaged over every position of the target's
+    own outputs. What no drafter can beat on this run: the target's entropy, not the drafter's fault."""
+    gains = []
+    for prompt, tokens in zip(prompts, outputs):
+        if not tokens:
+            continue
+        best = output_probabilities(target, prompt, tokens, sampling).max(-1).values.tolist() if sampling else [1.0] * len(tokens)
+        for start in range(len(tokens)):
+            kept, chance = 1.0, 1.0
+            for probability in best[start : start + block_size - 1]:
+                chance *= probability
+                kept += chance
+            gains.append(kept)
+    return sum(gains) / len(gains) if gains else float("nan")
+
+
+__all__ = ["CANDIDATES", "NEAR_TIE", "ceiling_tau", "checks_exactly", "classify", "output_probabilities",
+           "sampled_consistency", "sampling_processors", "top2_in_float32", "top2_margin"]

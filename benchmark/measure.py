@@ -75,8 +75,10 @@ class MethodRun:
         self.compilations += record.compilations
 
 
-def decode_one(target, prompt: torch.Tensor, max_new_tokens: int, run: MethodRun, **generate_kwargs) -> None:
-    """Greedy-decode `prompt` `(1, L)` with `target.generate(**generate_kwargs)` and add to `run`: time, tokens and
+def decode_one(target, prompt: torch.Tensor, max_new_tokens: int, run: MethodRun, sampling: dict | None = None,
+               **generate_kwargs) -> None:
+    """Decode `prompt` `(1, L)` with `target.generate(**generate_kwargs)`, greedy or with `sampling` (`do_sample`,
+    `temperature`, `top_p`, `top_k`), and add to `run`: time, tokens and
     rounds, read from the engine's `RoundRecord` for `custom_generate` calls and counted by a streamer otherwise;
     cache hits for D3D (the engine's record, or an `assistant_model=` adapter's `generation_stats`)."""
     engine = "custom_generate" in generate_kwargs
@@ -85,8 +87,8 @@ def decode_one(target, prompt: torch.Tensor, max_new_tokens: int, run: MethodRun
     extra = {"round_record": record} if engine else {"streamer": (counter := RoundCounter())}
     synchronize(target.device)
     start = time.perf_counter()
-    output = target.generate(prompt.to(target.device), max_new_tokens=max_new_tokens, do_sample=False,
-                             **generate_kwargs, **extra)
+    output = target.generate(prompt.to(target.device), max_new_tokens=max_new_tokens,
+                             **(sampling or {"do_sample": False}), **generate_kwargs, **extra)
     source = getattr(assistant, "source", None)
     if hasattr(source, "wait"):  # an async adapter's last queued pass is charged to it, not to the next method
         source.wait()

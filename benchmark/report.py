@@ -34,6 +34,8 @@ def _times(value: float | None) -> str:
 def _identical(row: dict, prompts: int) -> str:
     """`yes` when every output equals the target's; `near-ties (7/8)` when the others differ only at near-ties of
     the target's own logits (low precision, see `benchmark.identity`); else how many did (`NO (17/20)`)."""
+    if "z" in row:  # sampled: a distribution check (`identity.sampled_consistency`)
+        return f"{'yes' if row['lossless'] else 'NO'} (z {row['z']:+.1f})"
     if row["lossless"]:
         return "yes"
     if row.get("divergences") == 0:
@@ -61,12 +63,21 @@ def _passes(results: dict) -> list[str]:
     return lines
 
 
+def sampling_description(sampling: dict | None) -> str:
+    """`greedy`, or `sampled (temperature 0.6, top_p 0.95, top_k 20)`."""
+    if not sampling or not sampling.get("do_sample"):
+        return "greedy"
+    settings = ", ".join(f"{name} {sampling[name]}" for name in ("temperature", "top_p", "top_k") if sampling.get(name))
+    return f"sampled ({settings})" if settings else "sampled"
+
+
 def markdown(results: dict) -> str:
     """Tables (one per prompt set), the (C, F) sweep, the engine's pass times and the compile times."""
     lines = []
+    decoding = sampling_description(results.get("sampling"))
     for name, prompt_set in results["prompt_sets"].items():
         lines += [
-            f"### {name} ({prompt_set['prompts']} prompts, {results['max_new_tokens']} new tokens, greedy)", "",
+            f"### {name} ({prompt_set['prompts']} prompts, {results['max_new_tokens']} new tokens, {decoding})", "",
             "| method | tok/s | speedup | vs generate | τ | cache hits | lossless | ms/round | verify | exposed draft | "
             "overhead | ideal sync (reached) | ideal async (reached) |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -79,7 +90,13 @@ def markdown(results: dict) -> str:
                 f"{_ms(row.get('verify_ms_per_round'))} | {_ms(row.get('exposed_draft_ms_per_round'))} | "
                 f"{_ms(row.get('overhead_ms_per_round'))} | {_bound(row, 'sync')} | {_bound(row, 'async')} |"
             )
-        if "identity" in results:
+        if "ceiling_tau" in prompt_set:
+            lines.append(f"\nCeiling τ {prompt_set['ceiling_tau']:.2f}: a perfect argmax drafter's expected tokens "
+                         "per round on the target's own outputs (the target's entropy; no drafter beats it).")
+        if results.get("sampling"):
+            lines.append("\nLossless (sampled): every token inside the sampling support and the mean log-probability "
+                         "of the tokens under the target within 4 standard errors (z) of the target's own draws.")
+        elif "identity" in results:
             lines.append(f"\nLossless: {IDENTITY[results['identity']]}")
         compiled = [f"{row['method']} {row['warmup_seconds']:.1f} s ({row.get('compilations', 0)} compiles after it)"
                     for row in prompt_set["methods"] if row.get("compiled")]

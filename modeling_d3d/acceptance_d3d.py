@@ -1,12 +1,102 @@
-"""The one acceptance routine: greedy matching and rejection sampling, batched over rows, on the device.
+"""From logits to tokens, batched over rows: each row's logits processing (the target's processors, applied to the
+target's and the drafter's logits alike), drafts chosen from the drafter's logits, and the one acceptance routine
+(greedy matching and rejection sampling, on the device).
 
-Inputs are per round: drafts `(rows, m)` with `num_drafts` `(rows,)` real ones per row (the rest padding), the
-target's processed logits `(rows, m + 1, vocab)` over `[anchor, drafts]`, and for sampling the drafter's processed
-logits `(rows, m, vocab)` (q = softmax). Both return `accepted` `(rows,)` drafts kept and `tokens` `(rows, m + 1)`:
-a row adds `tokens[:accepted + 1]` (its accepted drafts, then the target's token).
+Acceptance inputs are per round: drafts `(rows, m)` with `num_drafts` `(rows,)` real ones per row (the rest padding),
+the target's processed logits `(rows, m + 1, vocab)` over `[anchor, drafts]`, and for sampling the proposal's
+processed logits `(rows, m, vocab)` (q = softmax). Both return `accepted` `(rows,)` drafts kept and `tokens`
+`(rows, m + 1)`: a row adds `tokens[:accepted + 1]` (its accepted drafts, then the target's token).
 """
 
+from dataclasses import dataclass, field
+
 import torch
+from transformers import LogitsProcessorList
+from transformers.generation import logits_process
+
+CONTEXT_FREE_PROCESSORS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
+                           "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper", "TopHLogitsWarper")
+
+
+@dataclass
+class RowSampling:
+    """How a row turns drafter logits into drafts: the target's processors, argmax or sampling, its generator.
+    device: where the processors were built and the generator lives (the target's device; None: wherever the
+    drafter's logits are). The processors hold tensors there (MinNewTokens' EOS ids, SuppressTokens' ids, ...), so
+    a row that processes or samples has its drafter logits moved there first (a drafter on another GPU), and its
+    drafts and q come out there, where verification reads them."""
+
+    logits_processor: LogitsProcessorList = field(default_factory=LogitsProcessorList)
+    do_sample: bool = False
+    generator: torch.Generator | None = None
+    device: torch.device | None = None
+
+    @property
+    def processes(self) -> bool:
+        """Whether this row's drafter logits go through its processors or a draw (else: argmax of the raw ones)."""
+        return bool(self.logits_processor) or self.do_sample
+
+
+def context_free(logits_processor: LogitsProcessorList | None) -> bool:
+    """Whether every processor ignores the token ids (temperature, top-k, top-p, ...): then one batched call over
+    every position gives what per-position calls with their own contexts give."""
+    free = tuple(getattr(logits_process, name) for name in CONTEXT_FREE_PROCESSORS if hasattr(logits_process, name))
+    return all(isinstance(processor, free) for processor in (logits_processor or []))
+
+
+def ends_row_only(error: BaseException) -> bool:
+    """Whether `error`, raised by a row's own code (its logits processors, stopping criteria), ends that row only:
+    any exception but a Ctrl-C (`KeyboardInterrupt`), which stops the whole call. A `BaseException` that is not an
+    `Exception` (a `SystemExit`, an `asyncio.CancelledError`, a class of the user's) is the row's failure too."""
+    return not isinstance(error, KeyboardInterrupt)
+
+
+def process(logits_processor: LogitsProcessorList | None, contexts: torch.Tensor | list, logits: torch.Tensor,
+            growing: torch.Tensor | None = None) -> torch.Tensor:
+    """Apply one row's processors to its logits `(n, vocab)`, position j with its own context: `contexts` (the row's
+    tokens, 1-D) followed by `growing[:j]` when given (the drafts before j), else `contexts` alone."""
+    if not logits_processor:
+        return logits
+    if context_free(logits_processor):
+        return logits_processor(torch.zeros(logits.shape[0], 1, dtype=torch.long, device=logits.device), logits.clone())
+    context = torch.as_tensor(contexts, dtype=torch.long, device=logits.device)
+    rows = []
+    for j in range(logits.shape[0]):
+        ids = context if growing is None else torch.cat([context, growing[:j].to(logits.device)])
+        rows.append(logits_processor(ids[None], logits[j : j + 1].clone()))
+    return torch.cat(rows)
+
+
+def choose(logits: torch.Tensor, do_sample: bool, generator: torch.Generator | None) -> torch.Tensor:
+    """Tokens `(n,)` from processed logits `(n, vocab)`: argmax, or a draw from their softmax."""
+    if not do_sample:
+        return logits.argmax(-1)
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
+
+
+def drafts_from_logits(raw: torch.Tensor, contexts: list[list[int]], sampling: list[RowSampling],
+                       errors: dict[int, BaseException] | None = None):
+    """Per row: its processors over raw block logits `(rows, m, vocab)` (context: its tokens), then argmax or a draw.
+    Returns drafts `(rows, m)` and the processed logits `(rows, m, vocab)` (the raw ones when no row has
+    processors). With `errors`, a row whose processing fails is drafted from its raw logits and its exception is
+    put in `errors[row]` (that row ends; the others go on); without, the exception propagates. When a row processes,
+    every row's results are on the processors' device (`RowSampling.device`)."""
+    if not any(s.processes for s in sampling):
+        return raw.argmax(-1), raw
+    raw = raw.to(next((s.device for s in sampling if s.device is not None), raw.device))
+    rows, drafts = [], []
+    for r, (context, s) in enumerate(zip(contexts, sampling)):
+        try:
+            logits = process(s.logits_processor, context, raw[r])
+            tokens = choose(logits, s.do_sample, s.generator)
+        except BaseException as error:
+            if errors is None or not ends_row_only(error):
+                raise
+            errors[r] = error
+            logits, tokens = raw[r], raw[r].argmax(-1)
+        rows.append(logits)
+        drafts.append(tokens)
+    return torch.stack(drafts), torch.stack(rows)
 
 
 def greedy_accept(drafts: torch.Tensor, num_drafts: torch.Tensor, target_logits: torch.Tensor):
@@ -43,4 +133,5 @@ def rejection_sample(drafts: torch.Tensor, num_drafts: torch.Tensor, draft_logit
     return accepted, tokens
 
 
-__all__ = ["greedy_accept", "rejection_sample"]
+__all__ = ["CONTEXT_FREE_PROCESSORS", "RowSampling", "choose", "context_free", "drafts_from_logits", "ends_row_only",
+           "greedy_accept", "process", "rejection_sample"]

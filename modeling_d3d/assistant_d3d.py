@@ -14,7 +14,9 @@ from transformers import LogitsProcessorList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .engine_d3d import RoundOutcome, RoundRecord, RoundTiming
-from .sources_d3d import DEFAULT_FANOUT, BlockSource, RowSampling, SuccessorSource
+from .acceptance_d3d import RowSampling
+from .sources_d3d import BlockSource
+from .successor_d3d import DEFAULT_FANOUT, SuccessorSource
 
 INITIAL_CAPACITY = 1024
 
@@ -138,7 +140,7 @@ class D3DAssistant:
         while accepted < min(len(session.drafts), len(added) - 1) and session.drafts[accepted] == added[accepted]:
             accepted += 1
         verify = time.perf_counter() - session.returned_at
-        waited, hidden = self.source.observe([session.context], [accepted])
+        waited, hidden = self.source.observe([session.context], [added[: accepted + 1]])
         outcome = RoundOutcome(0, added[: accepted + 1], False, accepted_drafts=accepted, from_cache=session.hit)
         self.generation_stats.add([outcome], int(session.looked_up), RoundTiming(verify, session.exposed + waited, hidden, 0.0))
         for token in added[accepted + 1 :]:  # rounds transformers ran without asking for drafts (one token left)

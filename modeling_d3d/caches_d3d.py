@@ -2,9 +2,9 @@
 
 A pass writes each row's new keys and values at the cache columns the caller chooses (`write_index`), and attends
 over the first `kv_length` columns of every row, under a mask the caller builds (`masking_d3d.interval_mask`). A
-slot's *committed* length (`StaticKVCache.committed[slot]`, host bookkeeping, owned here and only here: the engine
-reads and advances the target's, the drafter sources their drafter's) is how many of its first columns hold its
-tokens; rejected tokens are rolled back by not counting them, and the next pass overwrites their columns. Nothing is
+slot's *committed* length (`StaticKVCache.committed[slot]`, host bookkeeping, owned here and only here: read-only
+outside, changed only by `commit`, `move_row` and `reset`; the engine commits the target's, the drafter sources their
+drafter's) is how many of its first columns hold its tokens; rejected tokens are rolled back by not counting them, and the next pass overwrites their columns. Nothing is
 reallocated, cropped or concatenated in a round.
 
 Compiled passes (`passes_d3d.CompiledForward`) attend over every column, and read rows and widths from tensor
@@ -39,9 +39,25 @@ class StaticKVCache:
             torch._dynamo.maybe_mark_dynamic(buffer, [0, 2])
         self.slots, self.capacity, self.device = slots, capacity, torch.device(device)
         self.key = cache_key(config, slots, capacity, device, dtype)
-        self.committed = [0] * slots  # per slot: its columns 0..committed-1 hold its tokens at their positions
+        self._committed = [0] * slots  # per slot: its columns 0..committed-1 hold its tokens at their positions
         self.write_index: torch.Tensor | None = None
         self._first_row, self._kv_length = 0, None
+
+    @property
+    def committed(self) -> tuple[int, ...]:
+        """Per slot, how many of its first columns hold its tokens (read-only: `commit` changes one)."""
+        return tuple(self._committed)
+
+    def commit(self, slot: int, length: int) -> None:
+        """Slot `slot`'s first `length` columns hold its tokens (what a pass wrote and the caller keeps); the rest
+        is rolled back by not being counted."""
+        if not 0 <= length <= self.capacity:
+            raise RuntimeError(f"A committed length {length} outside a cache of {self.capacity} columns")
+        self._committed[slot] = length
+
+    def reset(self) -> None:
+        """Every slot empty (a cache handed to a new engine)."""
+        self._committed = [0] * self.slots
 
     def plan(self, rows: int, write_index: torch.Tensor, kv_length: int, first_row: int = 0) -> None:
         """Set up the next pass over slots `first_row..first_row + rows - 1`: `write_index` `(rows, width)` long cache
@@ -72,10 +88,10 @@ class StaticKVCache:
     def move_row(self, from_slot: int, to_slot: int) -> None:
         """Copy the committed columns of slot `from_slot` (and its committed length) into slot `to_slot` (a row
         changing slot when an earlier one leaves the batch)."""
-        length = self.committed[from_slot]
+        length = self._committed[from_slot]
         if from_slot == to_slot:
             return
-        self.committed[to_slot] = length
+        self._committed[to_slot] = length
         for buffers in (self.keys, self.values):
             for layer in buffers:
                 layer[to_slot, :, :length] = layer[from_slot, :, :length]
@@ -103,7 +119,7 @@ class CachePool:
         if not free:
             return StaticKVCache(config, slots, capacity, device, dtype)
         cache = free.pop()
-        cache.committed = [0] * slots
+        cache.reset()
         return cache
 
     def put(self, cache: StaticKVCache) -> None:

@@ -8,7 +8,7 @@ Rows live in cache slots `0..rows-1` of a preallocated `StaticKVCache` per model
 `[anchor, drafts]` at each row's own columns and commits what it accepts by moving the row's length (nothing is
 cropped, concatenated or gathered). When rows leave, the rows after them move up in order to fill slots
 `0..rows-1` (one row copy per moved row, `StaticKVCache.move_row`). A row's committed length lives in its cache
-(`StaticKVCache.committed[slot]`, the target's and the drafter's each). Without a
+(`StaticKVCache.committed[slot]`, the target's and the drafter's each, changed only by `StaticKVCache.commit`). Without a
 source the engine decodes the target alone, one token per round, through the same loop. Every round is written to
 one `RoundRecord`, which the benchmark, the Space, the model card and the server read.
 """
@@ -23,11 +23,12 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria,
                                                        StopStringCriteria)
 
-from .acceptance_d3d import greedy_accept, rejection_sample
+from .acceptance_d3d import RowSampling, ends_row_only, greedy_accept, process, rejection_sample
 from .caches_d3d import StaticKVCache
-from .drafting_d3d import ends_row_only, process
+from .lookup_d3d import LookupSource
 from .passes_d3d import CompiledPasses, PassLayout, compiled_passes, prefill, run_pass
-from .sources_d3d import DrafterSource, DraftTiming, Proposal, RowSampling
+from .policy_d3d import BLOCK, NOTHING, RoundPlan, VerifyPolicy, apply_plan
+from .sources_d3d import DrafterSource, DraftTiming, Proposal
 from .streams_d3d import Clock, seconds, synchronize
 
 
@@ -98,6 +99,7 @@ class RoundOutcome:
     accepted_drafts: int = 0
     from_cache: bool = False
     error: BaseException | None = None
+    verified: str = BLOCK
 
 
 @dataclass
@@ -122,7 +124,7 @@ class RoundRecord:
     """The only round record: totals over every round of an engine, and the latest rounds (bounded, for servers).
 
     rounds: engine rounds; row_rounds: rounds summed over rows; new_tokens; accepted[n]: row rounds that added n
-    tokens; lookups / cache_hits: rows that searched prepared branches / were served by one; seconds: verify,
+    tokens; verified[kind]: row rounds that verified nothing, the drafter's block or a lookup (`policy_d3d`); lookups / cache_hits: rows that searched prepared branches / were served by one; seconds: verify,
     exposed and hidden drafting, host, and prefill; compilations: graphs PyTorch compiled during the rounds (the
     delta of `torch._dynamo.utils.counters["stats"]["unique_graphs"]`, process-wide: another thread's compiles
     in the same rounds count too; 0 after the warm-up of compiled passes, see docs/architecture.md)."""
@@ -132,6 +134,7 @@ class RoundRecord:
     row_rounds: int = 0
     new_tokens: int = 0
     accepted: Counter = field(default_factory=Counter)
+    verified: Counter = field(default_factory=Counter)
     lookups: int = 0
     cache_hits: int = 0
     verify_seconds: float = 0.0
@@ -152,6 +155,7 @@ class RoundRecord:
                 self.row_rounds += 1
                 self.new_tokens += len(outcome.added)
                 self.accepted[len(outcome.added)] += 1
+                self.verified[outcome.verified] += 1
                 self.cache_hits += outcome.from_cache
         self.lookups += looked_up
         self.verify_seconds += timing.verify
@@ -208,7 +212,9 @@ class SpeculativeEngine:
     sampled rows follow the target's distribution.
 
     target: a causal LM; source: a drafter source (`sources_d3d.BlockSource`, `SuccessorSource`) or None (the target
-    alone, one token a round); max_rows: cache slots; max_length: the longest prompt + new tokens a row may reach
+    alone, one token a round, unless `lookup`); lookup: a `lookup_d3d.LookupSource` (prompt lookup, no model); policy:
+    a `policy_d3d.VerifyPolicy`, the one chooser of what each row verifies each round (None: the drafter's block
+    every round, or with `lookup` alone a default policy); max_rows: cache slots; max_length: the longest prompt + new tokens a row may reach
     (caches are sized for it); compile: `torch.compile` the target's verify pass ("reduce-overhead" on CUDA, i.e.
     CUDA graphs, with fixed shapes; inductor with dynamic lengths on CPUs; give the source compiled passes too,
     see `generation_d3d.make_source`), through the target's `passes_d3d.compiled_passes` (kept on the target with
@@ -218,7 +224,8 @@ class SpeculativeEngine:
     """
 
     def __init__(self, target, source: DrafterSource | None = None, max_rows: int = 1, max_length: int = 2048, compile: bool = False,
-                 keep_rounds: int = 100_000, passes: CompiledPasses | None = None):
+                 keep_rounds: int = 100_000, passes: CompiledPasses | None = None, lookup: LookupSource | None = None,
+                 policy: VerifyPolicy | None = None):
         check_target(target)
         if source is not None:
             vocab = target.config.get_text_config().vocab_size
@@ -227,16 +234,20 @@ class SpeculativeEngine:
                                  f"target's {vocab}: a D3D drafter must use the target's tokenizer and embedding size")
         if max_rows < 1 or max_length < 2:
             raise ValueError(f"max_rows must be >= 1 and max_length >= 2, got {max_rows}, {max_length}")
-        self.target, self.source = target, source
-        self.width = source.block_size if source is not None else 1
+        if lookup is not None and source is not None and lookup.block_size != source.block_size:
+            raise ValueError(f"The lookup's block size {lookup.block_size} differs from the drafter's {source.block_size}")
+        self.target, self.source, self.lookup = target, source, lookup
+        self.width = next((s.block_size for s in (source, lookup) if s is not None), 1)
+        self.policy = policy if policy is not None or lookup is None else VerifyPolicy(self.width)
         self.max_rows, self.max_length = max_rows, max_length
         self.device = target.get_input_embeddings().weight.device
         self.passes = passes if passes is not None or not compile else compiled_passes(target)
         self.forward = self.passes.forward("verify") if self.passes is not None else None
         shape = (target.config, max_rows, max_length + self.width, self.device, target.dtype)
         self.cache = self.passes.caches.take(*shape) if self.passes is not None else StaticKVCache(*shape)
-        if source is not None:
-            source.allocate(max_rows, max_length + 1)
+        for each in (source, lookup):
+            if each is not None:
+                each.allocate(max_rows, max_length + 1)
         self.clock = Clock(self.device)
         self.rows: list[Row] = []
         self.record = RoundRecord(keep=keep_rounds)
@@ -280,8 +291,9 @@ class SpeculativeEngine:
         start = time.perf_counter()
         slot = len(self.rows)
         prefill(self.target, self.cache, slot, row.prompt[:-1])
-        if self.source is not None:
-            self.source.add(slot, row.drafter_context)
+        for each in (self.source, self.lookup):
+            if each is not None:
+                each.add(slot, row.drafter_context)
         synchronize(self.device)
         self.record.prefill_seconds += time.perf_counter() - start
         self.rows.append(row)
@@ -296,100 +308,134 @@ class SpeculativeEngine:
         for to_slot, from_slot in enumerate(kept):
             if to_slot != from_slot:
                 self.cache.move_row(from_slot, to_slot)
-                if self.source is not None:
-                    self.source.move(from_slot, to_slot)
+                for each in (self.source, self.lookup):
+                    if each is not None:
+                        each.move(from_slot, to_slot)
+        if self.policy is not None:
+            for i in set(range(len(self.rows))) - set(kept):
+                self.policy.forget(self.rows[i].key)
         self.rows = [self.rows[i] for i in kept]
 
     @torch.no_grad()
     def step(self) -> list[RoundOutcome]:
         """One round for every row; finished and failed rows leave. An exception of a per-row step (its logits
-        processors, criteria; any but a Ctrl-C, see `drafting_d3d.ends_row_only`) ends that row only, with the error
+        processors, criteria; any but a Ctrl-C, see `acceptance_d3d.ends_row_only`) ends that row only, with the error
         in its outcome; an exception of a batched pass propagates (call `reset` before going on)."""
         if not self.rows:
             return []
         start = self.clock.mark()
         graphs_before = compiled_graphs()
+        keys = [row.key for row in self.rows]
+        contexts = [row.drafter_context for row in self.rows]  # before the round
+        # 1. plan: what each row verifies (nothing, the drafter's block, a lookup continuation)
+        lookups = self.lookup.propose(contexts) if self.lookup is not None else [[] for _ in keys]
+        plan = self.plan(keys, lookups)
+        # 2. propose: the drafter's block for every row when any row verifies one, then the plan applied
         proposal = None
-        contexts = [row.drafter_context for row in self.rows] if self.source is not None else []  # before the round
-        if self.source is not None:
+        if plan.drafter:
             proposal = self.source.propose(contexts, [row.sampling for row in self.rows])
+        proposal = apply_plan(plan, proposal, lookups, self.target.config.get_text_config().vocab_size,
+                              any(row.settings.do_sample for row in self.rows), self.device)
+        # 3. verify: ONE target pass over every row's [anchor, drafts]
         verify_start = self.clock.mark()
-        logits = self.verify(proposal)
+        logits = self.verify(proposal, plan.width)
         verify_end = self.clock.mark()
-        outcomes = self._accept(proposal, logits)  # its one read: the verify pass has run
+        # 4-6. process, accept, stop and commit (the round's one device-to-host read)
+        outcomes = self._accept(proposal, logits, plan.choices)
+        # 7. observe: the drafter source learns what each row kept (and joins its background drafting)
         drafting = DraftTiming()
-        if self.source is not None:
-            drafting = self.source.observe(contexts, [outcome.accepted_drafts for outcome in outcomes])
-        self._keep([i for i, outcome in enumerate(outcomes) if not outcome.finished])
+        if plan.drafter:
+            drafting = self.source.observe(contexts, [outcome.added for outcome in outcomes])
         verify_seconds = seconds(verify_start, verify_end)
         # exposed: the target's stream waited for the drafts before verifying, then for the worker
         exposed = (seconds(start, verify_start) if proposal is not None else 0.0) + drafting.exposed
+        if self.policy is not None:
+            self.policy.observe(keys, plan, [outcome.accepted_drafts for outcome in outcomes], verify_seconds, exposed)
+        # 8. finished and failed rows leave
+        self._keep([i for i, outcome in enumerate(outcomes) if not outcome.finished])
         total = time.perf_counter() - start.host
         timing = RoundTiming(verify_seconds, exposed, drafting.hidden, max(total - verify_seconds - exposed, 0.0))
         self.record.add(outcomes, sum(proposal.looked_up) if proposal is not None else 0, timing)
         self.record.compilations += compiled_graphs() - graphs_before
         return outcomes
 
-    def verify(self, proposal: Proposal | None) -> torch.Tensor:
-        """One target pass over `[anchor, drafts]` per row (`proposal` None: the drafts' columns zero, as `d3d bench`
-        times the pass): logits `(rows, width, vocab)` float32; the cache gains the columns, committed as far as
-        `step` accepts."""
-        ids = torch.zeros(len(self.rows), self.width, dtype=torch.long)  # the drafts' columns filled on the device
+    def plan(self, keys: list[Hashable], lookups: list[list[int]]) -> RoundPlan:
+        """What this round verifies per row: the policy's choice; without a policy, the drafter's block (or nothing,
+        the target alone)."""
+        if self.policy is not None:
+            return self.policy.plan(keys, lookups, self.source is not None)
+        if self.source is None:
+            return RoundPlan([NOTHING] * len(keys), False, 1)
+        return RoundPlan([BLOCK] * len(keys), True, self.width)
+
+    def verify(self, proposal: Proposal | None, width: int | None = None) -> torch.Tensor:
+        """One target pass over `[anchor, drafts]` per row, `width` columns (None: the engine's block; `proposal`
+        None: the drafts' columns zero, as `d3d bench` times the pass): logits `(rows, width, vocab)` float32; the
+        cache gains the columns, committed as far as `step` accepts."""
+        width = self.width if width is None else width
+        ids = torch.zeros(len(self.rows), width, dtype=torch.long)  # the drafts' columns filled on the device
         ids[:, 0] = torch.tensor([row.last_token for row in self.rows], dtype=torch.long)
         starts = torch.tensor(self.cache.committed[: len(self.rows)], dtype=torch.long)
-        return run_pass(self.target, self.cache, PassLayout.causal(ids, starts), self.width, forward=self.forward,
-                        tail=proposal.drafts if proposal is not None else None)
+        return run_pass(self.target, self.cache, PassLayout.causal(ids, starts), width, forward=self.forward,
+                        tail=proposal.drafts if proposal is not None and width > 1 else None)
 
-    def _accept(self, proposal, logits: torch.Tensor) -> list[RoundOutcome]:
-        """Process the target's logits per row, accept (greedy or rejection sampling, batched), read the result
-        once, then cut every row at its stop; commit what each row keeps. Returns the outcomes (a failed row's
-        accepted drafts: 0)."""
-        rows = len(self.rows)
+    def _accept(self, proposal: Proposal | None, logits: torch.Tensor, choices: list[str]) -> list[RoundOutcome]:
+        """Steps 4-6 of a round over the target's logits `(rows, width, vocab)`. Returns the outcomes (a failed
+        row's: no tokens, finished, its error)."""
         failed: dict[int, BaseException] = dict(proposal.errors) if proposal is not None else {}
         if proposal is not None:
             drafts, num_drafts = proposal.drafts.to(self.device), proposal.num_drafts.to(self.device)
         else:
-            drafts = torch.zeros(rows, 0, dtype=torch.long, device=self.device)
-            num_drafts = torch.zeros(rows, dtype=torch.long, device=self.device)
-        if any(row.settings.logits_processor for row in self.rows):
-            processed = []
-            for r, row in enumerate(self.rows):
-                try:
-                    processed.append(process(row.settings.logits_processor, row.tokens, logits[r], drafts[r]))
-                except BaseException as error:  # this row's processing failed: it leaves, the others go on
-                    if not ends_row_only(error):
-                        raise
-                    failed[r] = error
-                    processed.append(logits[r])
-            logits = torch.stack(processed)
-        accepted_drafts, tokens = greedy_accept(drafts, num_drafts, logits)
+            drafts = torch.zeros(len(self.rows), 0, dtype=torch.long, device=self.device)
+            num_drafts = torch.zeros(len(self.rows), dtype=torch.long, device=self.device)
+        # 4. process: each row's logits processors over the target's logits (a row whose processors fail leaves)
+        logits = self._process(logits, drafts, failed)
+        # 5. accept: greedy matching, rejection sampling for sampled rows; then the round's one device-to-host read
+        accepted, tokens = greedy_accept(drafts, num_drafts, logits)
         sampled = [r for r, row in enumerate(self.rows) if row.settings.do_sample and r not in failed]
         if sampled:
             index = torch.tensor(sampled, device=self.device)
-            q = proposal.logits.to(self.device)[index] if proposal is not None else logits.new_zeros(len(sampled), 0, logits.shape[-1])
-            sampled_accepted, sampled_tokens = rejection_sample(
+            q = (proposal.logits.to(self.device)[index] if proposal is not None
+                 else logits.new_zeros(len(sampled), 0, logits.shape[-1]))
+            accepted[index], tokens[index] = rejection_sample(
                 drafts[index], num_drafts[index], q, logits[index], [self.rows[r].verify_rng for r in sampled])
-            accepted_drafts[index], tokens[index] = sampled_accepted, sampled_tokens
-        host = torch.cat([accepted_drafts[:, None], tokens], dim=1).cpu().tolist()  # the round's one device-to-host read
+        host = torch.cat([accepted[:, None], tokens], dim=1).cpu().tolist()
+        # 6. stop and commit: each row cut where the target alone stops; the target's cache commits what it keeps
         outcomes = []
         for r, row in enumerate(self.rows):
-            if r in failed:
-                outcomes.append(RoundOutcome(row.key, [], True, error=failed[r]))
-                continue
-            accepted = host[r][0]
-            try:
-                added, finished = self._stop(row, host[r][1 : accepted + 2], logits[r])
-            except BaseException as error:  # this row's criteria failed: it leaves, the others go on
-                if not ends_row_only(error):
-                    raise
-                outcomes.append(RoundOutcome(row.key, [], True, error=error))
+            error = failed.get(r)
+            if error is None:
+                try:
+                    added, finished = self._stop(row, host[r][1 : host[r][0] + 2], logits[r])
+                except BaseException as raised:  # this row's criteria failed: it leaves, the others go on
+                    if not ends_row_only(raised):
+                        raise
+                    error = raised
+            if error is not None:
+                outcomes.append(RoundOutcome(row.key, [], True, error=error, verified=choices[r]))
                 continue
             row.generated += added
-            self.cache.committed[r] += len(added)
-            hit = proposal is not None and proposal.hits[r]
-            outcomes.append(RoundOutcome(row.key, added, finished, accepted_drafts=min(accepted, len(added)),
-                                         from_cache=hit))
+            self.cache.commit(r, self.cache.committed[r] + len(added))
+            outcomes.append(RoundOutcome(row.key, added, finished, accepted_drafts=min(host[r][0], len(added)),
+                                         from_cache=proposal is not None and proposal.hits[r], verified=choices[r]))
         return outcomes
+
+    def _process(self, logits: torch.Tensor, drafts: torch.Tensor, failed: dict[int, BaseException]) -> torch.Tensor:
+        """Each row's logits processors over its logits `(width, vocab)`, position j with the row's tokens and the
+        drafts before j as context; a row whose processing fails is put in `failed` (its logits are left as they
+        are)."""
+        if not any(row.settings.logits_processor for row in self.rows):
+            return logits
+        processed = []
+        for r, row in enumerate(self.rows):
+            try:
+                processed.append(process(row.settings.logits_processor, row.tokens, logits[r], drafts[r]))
+            except BaseException as error:  # this row's processing failed: it leaves, the others go on
+                if not ends_row_only(error):
+                    raise
+                failed[r] = error
+                processed.append(logits[r])
+        return torch.stack(processed)
 
     @staticmethod
     def _stop(row: Row, added: list[int], logits: torch.Tensor) -> tuple[list[int], bool]:

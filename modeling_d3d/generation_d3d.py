@@ -14,19 +14,10 @@ from .engine_d3d import RoundRecord, SpeculativeEngine
 from .inputs_d3d import check_prompts
 from .passes_d3d import compiled_passes
 from .settings_d3d import eos_ids, row_settings
-from .sources_d3d import DEFAULT_FANOUT, BlockSource, SuccessorSource, check_device
-
-COMPILE_LENGTH_BUCKET = 256
-
-
-def compiled_engine_size(rows: int, max_length: int, fixed: bool) -> tuple[int, int]:
-    """Slots and length of an engine with compiled passes: at least 2 slots (PyTorch specialises a dimension of
-    size 1, so a one-slot cache would compile once more); with fixed shapes (CUDA graphs attend over the whole cache
-    and every slot) slots rounded up to a power of two and the length to a multiple of `COMPILE_LENGTH_BUCKET`, so
-    calls of other batch sizes and prompt lengths replay a recorded graph (one per bucket pair)."""
-    if not fixed:
-        return max(rows, 2), max_length
-    return max(1 << (rows - 1).bit_length(), 2), -(-max_length // COMPILE_LENGTH_BUCKET) * COMPILE_LENGTH_BUCKET
+from .policy_d3d import make_chooser
+from .shapes_d3d import engine_size
+from .sources_d3d import BlockSource, check_device
+from .successor_d3d import DEFAULT_FANOUT, SuccessorSource
 
 
 def front_door_kwargs(generate_kwargs: dict) -> dict:
@@ -59,13 +50,17 @@ def make_source(drafter, asynchronous: bool, coverage, fanout, drafter_device, w
     return BlockSource(drafter, passes=passes)
 
 
-def build_engine(model, source, rows: int, max_length: int, compile: bool = False) -> SpeculativeEngine:
+def build_engine(model, source, rows: int, max_length: int, compile: bool = False, lookup=False,
+                 policy=None) -> SpeculativeEngine:
     """The engine `speculative_generate` decodes `rows` prompts of up to `max_length` tokens with (compiled: sized by
-    `compiled_engine_size`); `source` is closed if the engine cannot be built."""
+    `shapes_d3d.engine_size`); lookup, policy: see `policy_d3d.make_chooser`; `source` is closed if the engine
+    cannot be built."""
     if compile:
-        rows, max_length = compiled_engine_size(rows, max_length, compiled_passes(model).fixed_shapes)
+        rows, max_length = engine_size(rows, max_length, compiled_passes(model).fixed_shapes)
     try:
-        return SpeculativeEngine(model, source, max_rows=rows, max_length=max_length, compile=compile)
+        lookup, policy = make_chooser(lookup, policy, source.block_size if source is not None else None)
+        return SpeculativeEngine(model, source, max_rows=rows, max_length=max_length, compile=compile, lookup=lookup,
+                                 policy=policy)
     except BaseException:
         if source is not None:
             source.close()
@@ -90,6 +85,8 @@ def speculative_generate(
     compile: bool = False,
     round_record: RoundRecord | None = None,
     d3d_streamer=None,
+    lookup: bool | int = False,
+    policy=None,
     **model_kwargs,
 ):
     """`target.generate(input_ids, custom_generate=speculative_generate, drafter=drafter, ...)`.
@@ -101,7 +98,10 @@ def speculative_generate(
     prompt the drafter reads when the target reads a reduced one (selective prefill; batch of one). compile:
     compiled verify and drafting passes (`passes_d3d.compiled_passes`, kept on the target and the drafter with their
     caches; the first calls compile, see docs/architecture.md "Compiled passes"). round_record: a `RoundRecord` to
-    fill (also left in `drafter.generation_stats`). streamer: as generate passes it (it has put the prompt already);
+    fill (also left in `drafter.generation_stats`). lookup: prompt lookup in the engine (True, or the most drafts a
+    lookup proposes; works without a drafter); policy: what each row verifies each round is chosen for the most
+    tokens per second (True, a `policy_d3d.VerifyPolicy`; None: with lookup only; False: the drafter's whole block
+    every round, the paper's rule); see `policy_d3d.make_chooser`. streamer: as generate passes it (it has put the prompt already);
     d3d_streamer: the same from a front door (`front_door_kwargs`: generate drops `streamer=` before calling a
     callable), which gets the prompt here.
     Returns `(batch, P + longest)` sequences, rows that end early padded with `pad_token_id` (or a
@@ -123,7 +123,7 @@ def speculative_generate(
     max_new_tokens = generation_config.max_length - input_ids.shape[1]
     longest_prompt = max([len(p) for p in prompts] + [len(drafter_prompt or [])])
     source = make_source(drafter, asynchronous, coverage, fanout, drafter_device, worker_threads, compile)
-    engine = build_engine(model, source, batch, longest_prompt + max_new_tokens, compile)
+    engine = build_engine(model, source, batch, longest_prompt + max_new_tokens, compile, lookup, policy)
     if round_record is not None:
         engine.record = round_record
     if drafter is not None:
@@ -166,5 +166,5 @@ def pad_outputs(input_ids: torch.LongTensor, generated: dict[int, list[int]], ge
     return torch.cat([input_ids, tail.to(input_ids.device)], dim=1)
 
 
-__all__ = ["COMPILE_LENGTH_BUCKET", "build_engine", "compiled_engine_size", "front_door_kwargs", "make_source", "pad_outputs",
+__all__ = ["build_engine", "front_door_kwargs", "make_source", "pad_outputs",
            "speculative_generate"]

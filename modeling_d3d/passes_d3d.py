@@ -16,6 +16,7 @@ import torch
 
 from .caches_d3d import CachePool, StaticKVCache
 from .masking_d3d import interval_mask
+from .shapes_d3d import fixed_by_default
 from .streams_d3d import upload
 
 
@@ -206,7 +207,7 @@ def compiled_forward(model, kind: str = "verify", fixed: bool | None = None, com
     if kind not in PASS_KINDS:
         raise RuntimeError(f"No pass kind {kind!r}; the kinds are {PASS_KINDS}")
     cuda = model.device.type == "cuda"
-    fixed = cuda if fixed is None else fixed
+    fixed = fixed_by_default(model.device) if fixed is None else fixed
     function = pass_function(model, kind)
     if compile:
         options = {"mode": "reduce-overhead"} if cuda else {"options": {"cpp_wrapper": True}}
@@ -227,7 +228,7 @@ class CompiledPasses:
 
     @property
     def fixed_shapes(self) -> bool:
-        return self.model.device.type == "cuda" if self.fixed is None else self.fixed
+        return fixed_by_default(self.model.device) if self.fixed is None else self.fixed
 
     def forward(self, kind: str) -> CompiledForward:
         if kind not in self.forwards:
@@ -274,13 +275,13 @@ def fixed_shapes(forward) -> bool:
     return getattr(forward, "fixed_shapes", False)
 
 
-def prefill(model, cache: StaticKVCache, slot: int, tokens: list[int]) -> None:
-    """Commit `tokens` (a prompt without its last token) to cache row `slot`, alone: `cache.committed[slot]` becomes
-    their count."""
-    if tokens:
-        run_pass(model, cache, PassLayout.causal(torch.tensor([tokens]), torch.zeros(1, dtype=torch.long)), 1,
+def prefill(model, cache: StaticKVCache, slot: int, tokens: list[int], start: int = 0) -> None:
+    """Commit `tokens` (a prompt without its last token) to cache row `slot`, alone, in one eager pass over those
+    from `start` on (the row's cache holds the ones before): `cache.committed[slot]` becomes their count."""
+    if tokens[start:]:
+        run_pass(model, cache, PassLayout.causal(torch.tensor([tokens[start:]]), torch.tensor([start])), 1,
                  first_row=slot)
-    cache.committed[slot] = len(tokens)
+    cache.commit(slot, len(tokens))
 
 
 __all__ = ["CompiledForward", "CompiledPasses", "PASS_KINDS", "PassLayout", "PassLayoutBuilder", "compiled_forward",

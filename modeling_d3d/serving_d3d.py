@@ -21,7 +21,7 @@ from .engine_d3d import RoundRecord, RowSettings, SpeculativeEngine
 from .generation_d3d import make_source
 from .inputs_d3d import check_prompts
 from .settings_d3d import row_settings
-from .sources_d3d import DEFAULT_FANOUT
+from .successor_d3d import DEFAULT_FANOUT
 from .threads_d3d import CPUWorkerPools, in_callers_modes
 
 DEFAULT_MAX_LENGTH = 4096

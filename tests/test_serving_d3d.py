@@ -273,7 +273,7 @@ class InterruptsAfter(LogitsProcessor):
 
 
 class CtrlC(LogitsProcessor):
-    """Raises `KeyboardInterrupt`, which ends the whole round, not the row (`drafting_d3d.ends_row_only`)."""
+    """Raises `KeyboardInterrupt`, which ends the whole round, not the row (`acceptance_d3d.ends_row_only`)."""
 
     def __call__(self, input_ids, scores):
         raise KeyboardInterrupt

@@ -11,7 +11,8 @@ import transformers.generation.utils as generation_utils
 from conftest import tiny_target
 from distribution import NEW_TOKENS, PROMPT, SAMPLES, SETTINGS, VOCAB, chi_square_p_value, exact_distribution, sampled_counts
 from modeling_d3d import BlockSource, D3DAssistant, D3DForBlockDiffusion
-from modeling_d3d.drafting_d3d import block_pass
+from modeling_d3d.passes_d3d import run_pass
+from modeling_d3d.sources_d3d import block_pass_layout
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,8 @@ class SourceReportingRawLogits(BlockSource):
 
     def propose(self, contexts, sampling):
         proposal = super().propose(contexts, sampling)
-        proposal.logits = block_pass(self.drafter, self.cache, contexts, self.committed[: len(contexts)])
+        layout = block_pass_layout(contexts, self.committed[: len(contexts)], self.block_size, self.drafter.config.mask_token_id)
+        proposal.logits = run_pass(self.drafter, self.cache, layout, self.block_size - 1)
         return proposal
 
 

@@ -1,0 +1,95 @@
+"""Prompt lookup in the engine (`LookupSource`): drafts copied from a row's own text, no model.
+
+Per row, the longest suffix of its text (its drafter context: prompt, then the generated tokens; `min_ngram` to
+`max_ngram` tokens) that occurred earlier in it, at its most recent earlier occurrence; the tokens that followed
+that occurrence are the drafts (up to `max_drafts`). The drafts are a function of the text alone, so their q is
+one-hot (`one_hot_logits`) and rejection sampling stays exact. Each row keeps an n-gram index, extended by the
+tokens a round adds (a dict per n-gram size: the latest end of each n-gram), so a lookup costs a few dict reads.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+def check_lookup_settings(max_ngram: int, min_ngram: int, max_drafts: int, block_size: int) -> None:
+    """Raise `ValueError` unless `1 <= min_ngram <= max_ngram` and `1 <= max_drafts <= block_size - 1` (integers)."""
+    values = (max_ngram, min_ngram, max_drafts)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"lookup lengths must be integers, got max_ngram={max_ngram!r}, min_ngram={min_ngram!r}, "
+                         f"max_drafts={max_drafts!r}")
+    if not 1 <= min_ngram <= max_ngram:
+        raise ValueError(f"lookup n-gram lengths must satisfy 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+    if not 1 <= max_drafts <= block_size - 1:
+        raise ValueError(f"a lookup proposes 1..{block_size - 1} drafts (the verify width less the anchor), "
+                         f"got {max_drafts}")
+
+
+@dataclass
+class NgramIndex:
+    """One row's text and, per n-gram size `n`, where each n-gram of it last ended (`ends[n - 1][ngram] = e`:
+    `text[e - n:e] == ngram`), for every end `e < len(text)` (so the text after it is never empty)."""
+
+    max_ngram: int
+    text: list[int] = field(default_factory=list)
+    ends: list[dict] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.ends = [{} for _ in range(self.max_ngram)]
+
+    def extend(self, context: list[int]) -> None:
+        """Catch up with `context` (the text so far, which only grows): index the n-grams ending before its end."""
+        old = len(self.text)
+        self.text.extend(context[old:])
+        for end in range(max(old, 1), len(self.text)):
+            for n in range(1, min(self.max_ngram, end) + 1):
+                self.ends[n - 1][tuple(self.text[end - n : end])] = end
+
+    def continuation(self, min_ngram: int, count: int) -> list[int]:
+        """The up to `count` tokens that followed the latest earlier occurrence of the text's longest suffix of
+        `min_ngram..max_ngram` tokens; empty when none occurred."""
+        for n in range(min(self.max_ngram, len(self.text)), min_ngram - 1, -1):
+            end = self.ends[n - 1].get(tuple(self.text[-n:]))
+            if end is not None:
+                return self.text[end : end + count]
+        return []
+
+
+def one_hot_logits(drafts: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """q of deterministic drafts `(rows, m)`: logits `(rows, m, vocab)`, 0 at the draft and -inf elsewhere."""
+    logits = torch.full((*drafts.shape, vocab_size), float("-inf"), device=drafts.device)
+    return logits.scatter_(-1, drafts[..., None], 0.0)
+
+
+class LookupSource:
+    """Prompt-lookup drafts for every row, from its own text (see the module docstring). Slots are the engine's, as
+    for drafter sources (`allocate`, `add`, `move`); `propose` gives each row's continuation, which the engine's
+    policy verifies or not (`policy_d3d`)."""
+
+    def __init__(self, block_size: int, max_ngram: int = 4, min_ngram: int = 2, max_drafts: int | None = None):
+        max_drafts = block_size - 1 if max_drafts is None else max_drafts
+        check_lookup_settings(max_ngram, min_ngram, max_drafts, block_size)
+        self.block_size, self.max_ngram, self.min_ngram, self.max_drafts = block_size, max_ngram, min_ngram, max_drafts
+        self.rows: list[NgramIndex | None] = []
+
+    def allocate(self, slots: int, capacity: int) -> None:
+        self.rows = [None] * slots
+
+    def add(self, slot: int, context: list[int]) -> None:
+        self.rows[slot] = NgramIndex(self.max_ngram)
+        self.rows[slot].extend(context)
+
+    def move(self, from_slot: int, to_slot: int) -> None:
+        self.rows[to_slot] = self.rows[from_slot]
+
+    def propose(self, contexts: list[list[int]]) -> list[list[int]]:
+        """Each row's drafts (possibly none), its index first caught up with its context."""
+        drafts = []
+        for slot, context in enumerate(contexts):
+            index = self.rows[slot]
+            index.extend(context)
+            drafts.append(index.continuation(self.min_ngram, self.max_drafts))
+        return drafts
+
+
+__all__ = ["LookupSource", "NgramIndex", "check_lookup_settings", "one_hot_logits"]

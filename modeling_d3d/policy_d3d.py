@@ -1,0 +1,190 @@
+"""The one chooser: per row and round, what a round verifies: nothing (a plain target step), the drafter's block, or
+a lookup continuation (`lookup_d3d`).
+
+A round's cost is shared by its rows: one target pass, 1 column wide when no row verifies drafts, else `B` wide,
+plus one drafter pass when any row verifies the drafter's block. `VerifyPolicy.plan` picks, before the round, the
+kind of round with the most expected tokens per second (`RoundPlan`): expected tokens from each row's acceptance so
+far (accepted drafts per round, for the drafter's blocks and for lookups, smoothed), seconds from the rounds this
+engine has run (smoothed, per batch size; a cost not measured yet is taken as the cheapest it can be, so the round
+that measures it is tried). A row that has not verified the drafter's block for `probe_every` rounds verifies it
+again (its acceptance may have changed), so an engine never stops learning.
+
+Lossless whatever it decides: the decision reads past rounds and the proposals' own contents (lookup drafts are a
+function of the text), never the target's logits of this round nor the drafter's sampled tokens (which would change
+which draws are verified, and so their distribution). `tests/test_policy_d3d.py` shows a chooser that peeks failing
+the χ² test.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .lookup_d3d import LookupSource, one_hot_logits
+from .sources_d3d import Proposal
+
+NOTHING, BLOCK, LOOKUP = "nothing", "block", "lookup"
+
+
+@dataclass
+class RoundPlan:
+    """What one round verifies: `choices[r]` per row (`NOTHING`, `BLOCK`, `LOOKUP`); `drafter`: whether the
+    drafter's pass runs; `width`: the verify pass's columns (1, or `B` when any row verifies drafts)."""
+
+    choices: list[str]
+    drafter: bool
+    width: int
+
+
+@dataclass
+class RowHistory:
+    """One row's smoothed accepted drafts per round when it verified the drafter's block and a lookup, and the rounds
+    since it last verified the block."""
+
+    block: float
+    lookup: float
+    since_block: int = 0
+
+
+@dataclass
+class VerifyPolicy:
+    """Maximises expected tokens per second (see the module docstring). block_size: the verify width `B`; smoothing:
+    the weight of the newest observation in every average; probe_every: rounds a row may go without verifying the
+    drafter's block; costs: seconds per kind of pass (`"narrow"`, `"wide"`, `"drafter"`) to use instead of measured
+    ones (then decisions do not depend on timing: reproducible rounds)."""
+
+    block_size: int
+    smoothing: float = 0.25
+    probe_every: int = 16
+    costs: dict[str, float] | None = None
+    measured: dict[tuple[str, int], float] = field(default_factory=dict)
+    history: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not 0 < self.smoothing <= 1:
+            raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing!r}")
+        if isinstance(self.probe_every, bool) or not isinstance(self.probe_every, int) or self.probe_every < 1:
+            raise ValueError(f"probe_every must be an integer >= 1, got {self.probe_every!r}")
+
+    def cost(self, kind: str, rows: int) -> float:
+        """Seconds of a pass of `kind` over `rows` rows: given, measured, or (not measured yet) the cheapest it can
+        be: a narrow pass as a wide one, a drafter pass free."""
+        if self.costs is not None:
+            return self.costs[kind]
+        if (kind, rows) in self.measured:
+            return self.measured[(kind, rows)]
+        if kind == "narrow":
+            return self.measured.get(("wide", rows), 1.0)
+        if kind == "wide":
+            return self.measured.get(("narrow", rows), 1.0)
+        return 0.0
+
+    def row(self, key) -> RowHistory:
+        """`key`'s history; a new row starts optimistic (half of a block accepted), so it tries the drafter."""
+        if key not in self.history:
+            self.history[key] = RowHistory(block=(self.block_size - 1) / 2, lookup=(self.block_size - 1) / 2)
+        return self.history[key]
+
+    def plan(self, keys: list, lookups: list[list[int]], drafter: bool) -> RoundPlan:
+        """The round for rows `keys` with lookup continuations `lookups` (empty: none found); `drafter`: whether
+        the engine has a drafter source."""
+        rows = len(keys)
+        history = [self.row(key) for key in keys]
+        lookup_gain = [min(h.lookup, len(found)) if found else 0.0 for h, found in zip(history, lookups)]
+        block_gain = [h.block if drafter else 0.0 for h in history]
+        narrow, wide = self.cost("narrow", rows), self.cost("wide", rows)
+        options = [(rows / narrow, 0, [NOTHING] * rows)]
+        if any(lookups):
+            options.append(((rows + sum(lookup_gain)) / wide, 1,
+                            [LOOKUP if found else NOTHING for found in lookups]))
+        if drafter:
+            gains = [max(b, g) for b, g in zip(block_gain, lookup_gain)]
+            options.append(((rows + sum(gains)) / (wide + self.cost("drafter", rows)), 2,
+                            [LOOKUP if g > b else BLOCK for b, g in zip(block_gain, lookup_gain)]))
+            if any(h.since_block >= self.probe_every for h in history):
+                options = options[-1:]
+        _, _, choices = max(options, key=lambda option: option[:2])
+        verifies = any(choice != NOTHING for choice in choices)
+        return RoundPlan(choices, BLOCK in choices, self.block_size if verifies else 1)
+
+    def observe(self, keys: list, plan: RoundPlan, accepted_drafts: list[int], verify_seconds: float,
+                drafter_seconds: float) -> None:
+        """What the round of `plan` kept per row (`accepted_drafts`, for rows that went on) and what its passes cost."""
+        rows, rate = len(keys), self.smoothing
+        self._measure("wide" if plan.width > 1 else "narrow", rows, verify_seconds)
+        if plan.drafter:
+            self._measure("drafter", rows, drafter_seconds)
+        for key, choice, accepted in zip(keys, plan.choices, accepted_drafts):
+            history = self.row(key)
+            history.since_block = 0 if choice == BLOCK else history.since_block + 1
+            if choice == BLOCK:
+                history.block += rate * (accepted - history.block)
+            elif choice == LOOKUP:
+                history.lookup += rate * (accepted - history.lookup)
+
+    def forget(self, key) -> None:
+        """Drop a row that left."""
+        self.history.pop(key, None)
+
+    def _measure(self, kind: str, rows: int, seconds: float) -> None:
+        old = self.measured.get((kind, rows))
+        self.measured[(kind, rows)] = seconds if old is None else old + self.smoothing * (seconds - old)
+
+
+DEFAULT_BLOCK_SIZE = 16  # the verify width of prompt lookup without a drafter
+
+
+def make_chooser(lookup, policy, block_size: int | None) -> tuple[LookupSource | None, "VerifyPolicy | None"]:
+    """The front doors' settings as engine parts. lookup: False, True (up to `B - 1` drafts a round) or an integer
+    (at most that many); policy: False (the drafter's block every round, the paper's rule), True (a `VerifyPolicy`),
+    a `VerifyPolicy`, or None (on with lookup, else off). Lookup needs the policy (it decides when a lookup is worth verifying). block_size: the
+    drafter's (None: no drafter, `DEFAULT_BLOCK_SIZE`). Raises `ValueError` for settings of the wrong kind."""
+    block_size = block_size or DEFAULT_BLOCK_SIZE
+    if policy is not None and not isinstance(policy, (bool, VerifyPolicy)):
+        raise ValueError(f"policy must be True, False or a VerifyPolicy, got {policy!r}")
+    if not isinstance(lookup, (bool, int)):
+        raise ValueError(f"lookup must be True, False or the most drafts a lookup proposes (an integer), got {lookup!r}")
+    source = None
+    if lookup is not False:
+        source = LookupSource(block_size, max_drafts=None if lookup is True else lookup)
+    if source is not None and policy is False:
+        raise ValueError("lookup=True needs the verify policy (policy=True, or leave policy unset): it decides per "
+                         "row when a lookup is worth verifying")
+    if isinstance(policy, VerifyPolicy):
+        if policy.block_size != block_size:
+            raise ValueError(f"The policy's block size {policy.block_size} differs from the verify width {block_size}")
+        return source, policy
+    wanted = policy if policy is not None else source is not None
+    return source, VerifyPolicy(block_size) if wanted else None
+
+
+def apply_plan(plan: RoundPlan, proposal: Proposal | None, lookups: list[list[int]], vocab_size: int,
+               sampled: bool, device: torch.device) -> Proposal | None:
+    """The round's proposal as `plan` says: the drafter's `proposal` (None: it did not run) with each `LOOKUP` row's
+    drafts replaced by its lookup continuation (q one-hot) and each `NOTHING` row's drafts dropped; None when the
+    round verifies no drafts (a 1-column pass). sampled: whether any row samples (then q is kept for every row)."""
+    if plan.width == 1:
+        return None
+    if proposal is not None and all(choice == BLOCK for choice in plan.choices):
+        return proposal
+    rows, width = len(plan.choices), plan.width - 1
+    if proposal is None:
+        proposal = Proposal(torch.zeros(rows, width, dtype=torch.long, device=device),
+                            torch.zeros(rows, dtype=torch.long, device=device),
+                            torch.zeros(rows, width, vocab_size, device=device) if sampled else None,
+                            [False] * rows, [False] * rows)
+    drafts, num_drafts = proposal.drafts.clone(), proposal.num_drafts.clone()
+    logits = proposal.logits.clone() if proposal.logits is not None else None
+    for r, (choice, found) in enumerate(zip(plan.choices, lookups)):
+        if choice == NOTHING:
+            num_drafts[r] = 0
+        elif choice == LOOKUP:
+            tokens = torch.tensor(found + [0] * (width - len(found)), device=drafts.device)
+            drafts[r], num_drafts[r] = tokens, len(found)
+            if logits is not None:
+                logits[r] = one_hot_logits(tokens, vocab_size).to(logits.device)
+    return Proposal(drafts, num_drafts, logits, proposal.looked_up, proposal.hits, proposal.exposed_seconds,
+                    proposal.errors)
+
+
+__all__ = ["BLOCK", "DEFAULT_BLOCK_SIZE", "LOOKUP", "NOTHING", "RoundPlan", "RowHistory", "VerifyPolicy", "apply_plan",
+           "make_chooser"]

@@ -1,0 +1,55 @@
+"""The one compiled-shape policy: which pass shapes a compiled engine may see, so that nothing compiles or records
+again after the warm-up.
+
+Two regimes (`fixed_by_default`): with *fixed shapes* (CUDA graphs, "reduce-overhead") every pass of a kind keeps
+one shape, so caches and widths are bucketed and padded here; elsewhere (inductor on CPUs, eager) lengths and row
+counts are dynamic dimensions and passes are only as wide as their rows need.
+"""
+
+import torch
+
+COMPILE_LENGTH_BUCKET = 256  # cache lengths of fixed-shape engines are multiples of this (one graph per bucket)
+
+
+def fixed_by_default(device: torch.device | str) -> bool:
+    """Whether compiled passes on `device` use fixed shapes when not told: on CUDA (graphs), nowhere else."""
+    return torch.device(device).type == "cuda"
+
+
+def engine_size(rows: int, max_length: int, fixed: bool) -> tuple[int, int]:
+    """Slots and length of an engine with compiled passes: at least 2 slots (PyTorch specialises a dimension of
+    size 1, so a one-slot cache would compile once more); with fixed shapes (CUDA graphs attend over the whole cache
+    and every slot) slots rounded up to a power of two and the length to a multiple of `COMPILE_LENGTH_BUCKET`, so
+    calls of other batch sizes and prompt lengths replay a recorded graph (one per bucket pair)."""
+    if not fixed:
+        return max(rows, 2), max_length
+    return max(1 << (rows - 1).bit_length(), 2), -(-max_length // COMPILE_LENGTH_BUCKET) * COMPILE_LENGTH_BUCKET
+
+
+def block_causal_width(uncached: list[int], block_size: int, fixed: bool) -> int:
+    """Input columns before the block of a block pass: the widest row's uncached tokens; with fixed shapes at least
+    `B`, what a row has uncached after any round that ran the drafter (it accepted at most `B` tokens)."""
+    return max([block_size if fixed else 0, *uncached])
+
+
+def successor_causal_width(uncached: list[int], block_size: int, fixed: bool) -> int:
+    """Input columns before the branch blocks of a successor pass: the widest row's uncached tokens and drafts; with
+    fixed shapes at least `2B` (at most `B` accepted tokens plus `B - 1` drafts)."""
+    return max([2 * block_size if fixed else 0, *uncached])
+
+
+def block_scratch_columns(block_size: int) -> int:
+    """Drafter cache columns a block pass uses beyond a row's context: its block (`B`) and its padding (at most the
+    fixed causal width `B`, `block_causal_width`)."""
+    return 2 * block_size
+
+
+def successor_scratch_columns(block_size: int, max_blocks: int) -> int:
+    """Drafter cache columns a successor pass uses beyond a row's context: its drafts (`B - 1`), `max_blocks` branch
+    blocks of `B`, and padding (at most the fixed causal width `2B`, `successor_causal_width`): `(max_blocks + 3) B`
+    covers them and a block pass's `block_scratch_columns`."""
+    return (max_blocks + 3) * block_size
+
+
+__all__ = ["COMPILE_LENGTH_BUCKET", "block_causal_width", "block_scratch_columns", "engine_size", "fixed_by_default",
+           "successor_causal_width", "successor_scratch_columns"]

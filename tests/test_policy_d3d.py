@@ -1,0 +1,164 @@
+"""The one chooser (`policy_d3d.VerifyPolicy`) and prompt lookup in the engine (`lookup_d3d.LookupSource`): the
+lookup finds the latest earlier occurrence of the longest suffix; the policy's decisions follow expected tokens per
+second; sampled rows under every kind of plan follow the target's exact distribution, and a plan that peeks at the
+round's verification fails the same test."""
+
+from collections import Counter
+
+import pytest
+import torch
+
+from conftest import tiny_target
+from distribution import NEW_TOKENS, SAMPLES, VOCAB, chi_square_p_value, exact_distribution, processors
+from modeling_d3d import BlockSource, D3DForBlockDiffusion, RowSettings, SpeculativeEngine, SuccessorSource
+from modeling_d3d.lookup_d3d import LookupSource, NgramIndex
+from modeling_d3d.policy_d3d import BLOCK, LOOKUP, NOTHING, RoundPlan, VerifyPolicy, make_chooser
+from policies import EveryChoice
+
+REPEATING = [1, 5, 2, 7, 3, 1, 5, 2, 7, 3, 1, 5]  # its suffix [1, 5] occurred before: lookups find [2, 7, 3, ...]
+
+
+def test_a_lookup_continues_the_latest_earlier_occurrence_of_the_longest_suffix():
+    index = NgramIndex(max_ngram=3)
+    index.extend([4, 1, 2, 9, 1, 2, 6, 7, 3, 2])
+    assert index.continuation(min_ngram=1, count=3) == [6, 7, 3]  # suffix [2]: latest earlier end is after "1 2"
+    index.extend([4, 1, 2, 9, 1, 2, 6, 7, 3, 2, 5, 1, 2])
+    assert index.continuation(min_ngram=1, count=4) == [6, 7, 3, 2]  # [1, 2] last ended before 6 (not the suffix)
+    index.extend([4, 1, 2, 9, 1, 2, 6, 7, 3, 2, 5, 1, 2, 8])
+    assert index.continuation(min_ngram=2, count=4) == []  # "2 8" never occurred before
+    assert index.continuation(min_ngram=1, count=2) == []  # nor did 8
+
+
+def test_a_lookup_index_grown_round_by_round_equals_one_built_at_once():
+    generator = torch.Generator().manual_seed(0)
+    text = torch.randint(0, 5, (80,), generator=generator).tolist()
+    grown = NgramIndex(4)
+    for end in range(1, len(text) + 1, 3):
+        grown.extend(text[:end])
+        at_once = NgramIndex(4)
+        at_once.extend(text[:end])
+        assert grown.ends == at_once.ends
+        assert grown.continuation(2, 5) == at_once.continuation(2, 5)
+
+
+def test_lookup_drafts_come_from_each_rows_own_text():
+    source = LookupSource(block_size=4, min_ngram=2)
+    source.allocate(2, 64)
+    source.add(0, REPEATING)
+    source.add(1, [3, 3, 4])
+    assert source.propose([REPEATING, [3, 3, 4]]) == [[2, 7, 3], []]
+    source.move(0, 1)  # row 0 left: row 1 moved up, a new row joins
+    source.add(1, [9])
+    assert source.propose([REPEATING + [2], [9]]) == [[7, 3, 1], []]
+
+
+def plan_of(policy: VerifyPolicy, lookups: list[list[int]], drafter: bool = True) -> list[str]:
+    return policy.plan(list(range(len(lookups))), lookups, drafter).choices
+
+
+def test_the_policy_verifies_nothing_when_drafting_costs_more_than_it_keeps():
+    policy = VerifyPolicy(16, costs={"narrow": 1.0, "wide": 1.2, "drafter": 0.5})
+    assert plan_of(policy, [[], []]) == [BLOCK, BLOCK]  # new rows: half a block expected, worth 1.7x the cost
+    for _ in range(12):  # the drafter's blocks keep nothing
+        plan = policy.plan([0, 1], [[], []], True)
+        policy.observe([0, 1], plan, [0, 0], 1.0, 0.5)
+    plan = policy.plan([0, 1], [[], []], True)
+    assert plan == RoundPlan([NOTHING, NOTHING], False, 1)
+
+
+def test_the_policy_takes_the_lookup_where_it_keeps_more_and_skips_the_drafter_when_no_row_needs_it():
+    policy = VerifyPolicy(16, costs={"narrow": 1.0, "wide": 1.0, "drafter": 1.0})
+    policy.row(0).block, policy.row(0).lookup = 0.2, 6.0
+    assert policy.plan([0], [[1] * 10], True) == RoundPlan([LOOKUP], False, 16)  # 7 tokens for 1 s, not 7 for 2 s
+    assert plan_of(policy, [[]]) == [NOTHING]  # no continuation: the block's 1.2 tokens are not worth 2 s
+
+
+def test_a_row_that_skipped_the_drafter_for_probe_every_rounds_verifies_its_block_again():
+    policy = VerifyPolicy(16, probe_every=3, costs={"narrow": 1.0, "wide": 1.0, "drafter": 5.0})
+    policy.row(0).block = 0.0
+    choices = []
+    for _ in range(8):
+        plan = policy.plan([0], [[]], True)
+        policy.observe([0], plan, [0], 1.0, 5.0)
+        choices.append(plan.choices[0])
+    assert choices == [NOTHING, NOTHING, NOTHING, BLOCK, NOTHING, NOTHING, NOTHING, BLOCK]
+
+
+def test_costs_not_measured_yet_are_taken_as_the_cheapest_they_can_be():
+    policy = VerifyPolicy(16)
+    assert plan_of(policy, [[]]) == [BLOCK]  # nothing measured: drafting looks free
+    policy.observe([0], RoundPlan([BLOCK], True, 16), [0], 1.0, 10.0)
+    policy.observe([0], RoundPlan([BLOCK], True, 16), [0], 1.0, 10.0)
+    assert policy.cost("narrow", 1) == 1.0 and policy.cost("drafter", 1) == 10.0
+    assert plan_of(policy, [[]]) == [NOTHING]  # now measured: 1 token a second beats ~5 tokens per 11 seconds
+
+
+@pytest.mark.parametrize("lookup,policy,message", [
+    (0, None, "1..15"), ("yes", None, "lookup must be"), (True, False, "needs the verify policy"),
+    (False, "on", "policy must be"), (True, VerifyPolicy(8), "block size 8"),
+])
+def test_chooser_settings_of_the_wrong_kind_are_refused_in_one_line(lookup, policy, message):
+    with pytest.raises(ValueError, match=message) as raised:
+        make_chooser(lookup, policy, 16)
+    assert "\n" not in str(raised.value)
+
+
+@pytest.fixture(scope="module")
+def sampling_models():
+    target = tiny_target(11, vocab_size=VOCAB)
+    drafter = D3DForBlockDiffusion.from_backbone(tiny_target(12, vocab_size=VOCAB), block_size=4).eval()
+    return target, drafter, exact_distribution(target, torch.tensor([REPEATING]))
+
+
+class PeekingEngine(SpeculativeEngine):
+    """A broken chooser: it runs the target on each row and replays the row's verification draw, and verifies the
+    lookup's first draft only when it would be accepted (else nothing). Its plan reads this round's verification."""
+
+    def plan(self, keys, lookups):
+        choices = []
+        for row, found in zip(self.rows, lookups):
+            logits = self.target(torch.tensor([row.tokens])).logits[0, -1:].float()
+            p = row.settings.logits_processor(torch.tensor([row.tokens]), logits).softmax(-1)[0]
+            state = row.verify_rng.get_state()
+            draw = float(torch.rand(self.width - 1, generator=row.verify_rng)[0])
+            row.verify_rng.set_state(state)
+            choices.append(LOOKUP if found and draw < p[found[0]] else NOTHING)
+        return RoundPlan(choices, False, self.width if LOOKUP in choices else 1)
+
+
+def sampled_counts(target, drafter, kind: str) -> tuple[Counter, SpeculativeEngine]:
+    """SAMPLES sampled rows of REPEATING through an engine with lookup, up to 64 at a time, each its own seed."""
+    engine_class = PeekingEngine if kind == "peeking" else SpeculativeEngine
+    source = SuccessorSource(drafter, 3, 2) if kind == "async" else BlockSource(drafter)
+    engine = engine_class(target, source, max_rows=64, max_length=64, lookup=LookupSource(4, min_ngram=2),
+                          policy=EveryChoice(4))
+    counts, outputs, queue = Counter(), {}, list(range(SAMPLES))
+    try:
+        while queue or len(engine):
+            while queue and len(engine) < 64:
+                index = queue.pop()
+                engine.add(index, REPEATING, RowSettings(NEW_TOKENS, True, logits_processor=processors(), seed=index))
+            for outcome in engine.step():
+                assert outcome.error is None
+                outputs.setdefault(outcome.key, []).extend(outcome.added)
+                if outcome.finished:
+                    counts[tuple(outputs.pop(outcome.key))] += 1
+    finally:
+        engine.close()
+    return counts, engine
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_sampled_rows_under_every_kind_of_plan_follow_the_target_distribution(sampling_models, kind):
+    target, drafter, expected = sampling_models
+    counts, engine = sampled_counts(target, drafter, kind)
+    assert set(engine.record.verified) == {NOTHING, BLOCK, LOOKUP}
+    assert max(engine.record.accepted) >= 2  # drafts were accepted, lookups among them
+    assert chi_square_p_value(counts, expected, SAMPLES) > 1e-3
+
+
+def test_a_plan_that_peeks_at_the_verification_fails_the_test(sampling_models):
+    target, drafter, expected = sampling_models
+    counts, engine = sampled_counts(target, drafter, "peeking")
+    assert engine.record.verified[LOOKUP] > 0
+    assert chi_square_p_value(counts, expected, SAMPLES) < 1e-6
