@@ -17,7 +17,7 @@ from benchmark.bench import Method, engine_kwargs, run_methods
 from benchmark.measure import MethodRun
 from benchmark.prompts import encode_prompt
 from modeling_d3d import D3DForBlockDiffusion
-from modeling_d3d.sources_d3d import DEFAULT_COVERAGE, DEFAULT_FANOUT
+from modeling_d3d.successor_d3d import DEFAULT_COVERAGE, DEFAULT_FANOUT
 
 from .errors import UserError
 from .loading import load_target
