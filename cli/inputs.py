@@ -37,7 +37,10 @@ def model_folder(text: str) -> str:
     folder = Path(text)
     if not folder.is_dir():
         raise argparse.ArgumentTypeError(f"no such folder: {text}")
-    check_model_files(folder)
+    try:
+        check_model_files(folder)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
     return text
 
 
@@ -52,7 +55,7 @@ def model_source(text: str) -> str:
 
 
 def check_model_files(folder: Path) -> None:
-    """Raise `ArgumentTypeError` naming the file unless `folder`'s `config.json` (if any) is JSON and each of its
+    """Raise `ValueError` naming the file unless `folder`'s `config.json` (if any) is JSON and each of its
     `*.safetensors` files has a whole header and all the data it announces (a truncated download fails here, not as
     a traceback from the loader)."""
     from safetensors import SafetensorError, safe_open
@@ -62,14 +65,14 @@ def check_model_files(folder: Path) -> None:
         try:
             json.loads(config.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise argparse.ArgumentTypeError(f"{config} is not valid JSON ({error})") from error
+            raise ValueError(f"{config} is not valid JSON ({error})") from error
     for weights in sorted(folder.glob("*.safetensors")):
         try:
             with safe_open(weights, "pt"):
                 pass
         except SafetensorError as error:
-            raise argparse.ArgumentTypeError(f"{weights} is not a whole safetensors file ({error}): truncated or "
-                                             "corrupt; save or download it again") from error
+            raise ValueError(f"{weights} is not a whole safetensors file ({error}): truncated or "
+                             "corrupt; save or download it again") from error
 
 
 __all__ = ["HUB_ID", "check_model_files", "model_folder", "model_source", "positive_float", "positive_int"]
