@@ -15,7 +15,7 @@ from trainer.provenance import DrafterProvenance
 
 from . import dtype
 from .host_memory import keep_freed_memory_on_cpu
-from .inputs import model_source, positive_float, positive_int
+from .inputs import model_source, non_negative_float, positive_float, positive_int
 from .loading import load_target
 
 
@@ -36,13 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
     """The optimisation and objective settings shared by `train` and `prune` (its recovery training)."""
     parser.add_argument("--learning-rate", type=positive_float, default=1e-5)
-    parser.add_argument("--min-learning-rate", type=float, default=1e-6)
+    parser.add_argument("--min-learning-rate", type=non_negative_float, default=1e-6)
     parser.add_argument("--global-batch-size", type=positive_int, default=16)
     parser.add_argument("--per-device-batch-size", type=positive_int, default=1)
     parser.add_argument("--num-anchors", type=positive_int, default=128, help="K: diffusion blocks per example")
-    parser.add_argument("--gamma", type=float, default=DFLASH_GAMMA,
+    parser.add_argument("--gamma", type=positive_float, default=DFLASH_GAMMA,
                         help="position-weight decay (default: DFlash's value for B=16)")
-    parser.add_argument("--ar-weight", type=float, default=1.0, help="lambda: weight of the AR loss")
+    parser.add_argument("--ar-weight", type=non_negative_float, default=1.0, help="lambda: weight of the AR loss")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gradient-checkpointing", action="store_true",
                         help="recompute each decoder layer in backward instead of keeping its activations (less memory, "
