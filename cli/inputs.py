@@ -69,12 +69,19 @@ def device(text: str) -> str:
 
 
 def repo_id(text: str) -> str:
-    """A Hub repository id, `name` or `owner/name` (checked by `huggingface_hub.utils.validate_repo_id`)."""
+    """A Hub repository id, `name` or `owner/name`."""
+    if not _is_repo_id(text):
+        raise argparse.ArgumentTypeError(f"must be a Hub repository id such as owner/name, got {text!r}")
+    return text
+
+
+def _is_repo_id(text: str) -> bool:
+    """Whether the Hub takes `text` as a repository id (`huggingface_hub.utils.validate_repo_id`)."""
     try:
         validate_repo_id(text)
-    except HFValidationError as error:
-        raise argparse.ArgumentTypeError(f"must be a Hub repository id such as owner/name, got {text!r}") from error
-    return text
+    except HFValidationError:
+        return False
+    return True
 
 
 def model_folder(text: str) -> str:
@@ -94,13 +101,8 @@ def model_source(text: str) -> str:
     name that is no folder) is refused here rather than looked up on the Hub."""
     if Path(text).is_dir():
         return model_folder(text)
-    try:
-        validate_repo_id(text)
-    except HFValidationError:
-        pass
-    else:
-        if text.count("/") == 1 and not Path(text).exists():
-            return text
+    if text.count("/") == 1 and _is_repo_id(text) and not Path(text).exists():
+        return text
     raise argparse.ArgumentTypeError(f"no such folder: {text} (and not a Hub id such as owner/name)")
 
 

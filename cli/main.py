@@ -1,10 +1,10 @@
 """Entry point of the `d3d` command: one subcommand per module of this package.
 
-Only the chosen command's module is imported (none for `d3d --help` or a command that does not exist), so `d3d bench` runs with the inference install alone (no training
-extras such as `datasets`). Errors from bad input (`USER_ERRORS`) print one line, `d3d COMMAND: error: MESSAGE`, and
-exit 2; `--debug` shows their traceback. Any other exception (`RuntimeError`, a failed assertion: an internal
-invariant) is a bug: it prints `d3d COMMAND: internal error: ...` with a hint to rerun with `--debug` for the
-traceback, and exits 1.
+Only the chosen command's module is imported (none for `d3d --help` or a command that does not exist), so `d3d bench`
+runs with the inference install alone (no training extras such as `datasets`). Errors from bad input (`USER_ERRORS`)
+print one line, `d3d COMMAND: error: MESSAGE`, and exit 2; `--debug` shows their traceback. Any other exception
+(`RuntimeError`, a failed assertion: an internal invariant) is a bug: it prints `d3d COMMAND: internal error: ...`
+with a hint to rerun with `--debug` for the traceback, and exits 1.
 """
 
 import argparse

@@ -19,8 +19,10 @@ def add_arguments(parser: argparse.ArgumentParser, port: Callable[[str], int] = 
     (`d3d space` passes `cli.inputs`' checks; the Space itself, with no project to import, plain conversions)."""
     parser.add_argument("--target", help=f"target folder or Hub id (else $D3D_TARGET, else {DEFAULT_TARGET})")
     parser.add_argument("--drafter", help=f"D3D drafter folder or Hub id (else $D3D_DRAFTER, else {DEFAULT_DRAFTER})")
-    parser.add_argument("--device", type=device, help="the target's device (default: cuda:0 when there is a GPU, else cpu)")
-    parser.add_argument("--drafter-device", type=device, help="the drafter's device (default: cuda:1 with two GPUs, else --device)")
+    parser.add_argument("--device", type=device,
+                        help="the target's device (default: cuda:0 when there is a GPU, else cpu)")
+    parser.add_argument("--drafter-device", type=device,
+                        help="the drafter's device (default: cuda:1 with two GPUs, else --device)")
     parser.add_argument("--host", help="address to serve on (default: $GRADIO_SERVER_NAME, else 127.0.0.1)")
     parser.add_argument("--port", type=port, help="port (default: $GRADIO_SERVER_PORT, else the first free from 7860)")
     parser.add_argument("--concurrency", type=count, default=2, help="requests decoding at once (they share the hardware)")
