@@ -3,33 +3,85 @@ functions): a bad value is one line, `d3d COMMAND: error: argument --NAME: WHAT`
 
 import argparse
 import json
-import re
+from collections.abc import Callable
 from pathlib import Path
 
-# A Hub repository id: `name` or `owner/name` (what `from_pretrained` looks up on the Hub when no such folder exists).
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
 
 
 def positive_int(text: str) -> int:
     """An integer >= 1."""
+    return _integer(text, 1, None, "an integer >= 1")
+
+
+def port(text: str) -> int:
+    """A TCP port."""
+    return _integer(text, 1, 65535, "a port, 1..65535")
+
+
+def _integer(text: str, low: int, high: int | None, what: str) -> int:
+    """`text` as an int from `low` to `high` (None: no bound); else `ArgumentTypeError` saying `what` it must be."""
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+        value = low - 1
+    if value < low or (high is not None and value > high):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
     return value
 
 
 def positive_float(text: str) -> float:
     """A number > 0."""
+    return _number(text, lambda value: value > 0, "a number > 0")
+
+
+def non_negative_float(text: str) -> float:
+    """A number >= 0."""
+    return _number(text, lambda value: value >= 0, "a number >= 0")
+
+
+def fraction(text: str) -> float:
+    """A number from 0 to 1."""
+    return _number(text, lambda value: 0 <= value <= 1, "a number from 0 to 1")
+
+
+def _number(text: str, accepted: Callable[[float], bool], what: str) -> float:
+    """`text` as a float if `accepted` holds for it (never for NaN); else `ArgumentTypeError` saying `what` it must be."""
     try:
         value = float(text)
     except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+        value = float("nan")
+    if not accepted(value):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
     return value
+
+
+def device(text: str) -> str:
+    """A device torch knows, such as cpu, cuda or cuda:1."""
+    import torch
+
+    try:
+        torch.device(text)
+    except RuntimeError as error:
+        raise argparse.ArgumentTypeError(f"must be a device such as cpu, cuda or cuda:1, got {text!r}") from error
+    return text
+
+
+def repo_id(text: str) -> str:
+    """A Hub repository id, `name` or `owner/name`."""
+    if not _is_repo_id(text):
+        raise argparse.ArgumentTypeError(f"must be a Hub repository id such as owner/name, got {text!r}")
+    return text
+
+
+def _is_repo_id(text: str) -> bool:
+    """Whether the Hub takes `text` as a repository id (`huggingface_hub.utils.validate_repo_id`)."""
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        return False
+    return True
 
 
 def model_folder(text: str) -> str:
@@ -37,22 +89,25 @@ def model_folder(text: str) -> str:
     folder = Path(text)
     if not folder.is_dir():
         raise argparse.ArgumentTypeError(f"no such folder: {text}")
-    check_model_files(folder)
+    try:
+        check_model_files(folder)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
     return text
 
 
 def model_source(text: str) -> str:
-    """A saved model folder (checked as `model_folder`) or a Hub id; a path that is no folder is refused here rather
-    than looked up on the Hub."""
+    """A saved model folder (checked as `model_folder`) or a Hub id `owner/name`; anything else (a path or a bare
+    name that is no folder) is refused here rather than looked up on the Hub."""
     if Path(text).is_dir():
         return model_folder(text)
-    if not HUB_ID.fullmatch(text) or Path(text).exists():
-        raise argparse.ArgumentTypeError(f"no such folder: {text} (and not a Hub id such as owner/name)")
-    return text
+    if text.count("/") == 1 and _is_repo_id(text) and not Path(text).exists():
+        return text
+    raise argparse.ArgumentTypeError(f"no such folder: {text} (and not a Hub id such as owner/name)")
 
 
 def check_model_files(folder: Path) -> None:
-    """Raise `ArgumentTypeError` naming the file unless `folder`'s `config.json` (if any) is JSON and each of its
+    """Raise `ValueError` naming the file unless `folder`'s `config.json` (if any) is JSON and each of its
     `*.safetensors` files has a whole header and all the data it announces (a truncated download fails here, not as
     a traceback from the loader)."""
     from safetensors import SafetensorError, safe_open
@@ -62,14 +117,15 @@ def check_model_files(folder: Path) -> None:
         try:
             json.loads(config.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise argparse.ArgumentTypeError(f"{config} is not valid JSON ({error})") from error
+            raise ValueError(f"{config} is not valid JSON ({error})") from error
     for weights in sorted(folder.glob("*.safetensors")):
         try:
             with safe_open(weights, "pt"):
                 pass
         except SafetensorError as error:
-            raise argparse.ArgumentTypeError(f"{weights} is not a whole safetensors file ({error}): truncated or "
-                                             "corrupt; save or download it again") from error
+            raise ValueError(f"{weights} is not a whole safetensors file ({error}): truncated or "
+                             "corrupt; save or download it again") from error
 
 
-__all__ = ["HUB_ID", "check_model_files", "model_folder", "model_source", "positive_float", "positive_int"]
+__all__ = ["check_model_files", "device", "fraction", "model_folder", "model_source", "non_negative_float", "port",
+           "positive_float", "positive_int", "repo_id"]

@@ -1,15 +1,16 @@
 """Entry point of the `d3d` command: one subcommand per module of this package.
 
-Only the chosen command's module is imported, so `d3d bench` runs with the inference install alone (no training
-extras such as `datasets`). Errors from bad input (`USER_ERRORS`) print one line, `d3d COMMAND: error: MESSAGE`, and
-exit 2; `--debug` shows their traceback. Any other exception (`RuntimeError`, a failed assertion: an internal
-invariant) is a bug: it prints `d3d COMMAND: internal error: ...` with a hint to rerun with `--debug` for the
-traceback, and exits 1.
+Only the chosen command's module is imported (none for `d3d --help` or a command that does not exist), so `d3d bench`
+runs with the inference install alone (no training extras such as `datasets`). Errors from bad input (`USER_ERRORS`)
+print one line, `d3d COMMAND: error: MESSAGE`, and exit 2; `--debug` shows their traceback. Any other exception
+(`RuntimeError`, a failed assertion: an internal invariant) is a bug: it prints `d3d COMMAND: internal error: ...`
+with a hint to rerun with `--debug` for the traceback, and exits 1.
 """
 
 import argparse
 import importlib
 import sys
+from collections.abc import Collection
 
 from .errors import UserError
 
@@ -45,13 +46,13 @@ def command_module(name: str):
     return importlib.import_module(f".{COMMANDS[name][0]}", __package__)
 
 
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The `d3d` parser; only `command`'s own arguments are loaded (every command's, when it is None)."""
+def build_parser(loaded: Collection[str] = tuple(COMMANDS)) -> argparse.ArgumentParser:
+    """The `d3d` parser; only the commands in `loaded` get their own arguments (their modules are imported)."""
     parser = OneLineParser(prog="d3d", description="D3D: decoupled diffusion drafting for speculative decoding")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an input error too")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, (_, help_text) in COMMANDS.items():
-        if command is None or name == command:
+        if name in loaded:
             module = command_module(name)
             module.add_arguments(commands.add_parser(name, help=help_text, description=module.__doc__))
         else:
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     chosen = next((arg for arg in argv if not arg.startswith("-")), None)
     try:
-        args = build_parser(chosen if chosen in COMMANDS else None).parse_args(argv)
+        args = build_parser([chosen] if chosen in COMMANDS else []).parse_args(argv)
     except SystemExit as stop:  # --help, or a bad argument (its line printed): the exit status
         return stop.code
     try:

@@ -12,7 +12,7 @@ from trainer.pruning import MAX_NEW_TOKENS, MIN_TAU_FRACTION, prune
 
 from . import dtype
 from .host_memory import keep_freed_memory_on_cpu
-from .inputs import model_source, positive_int
+from .inputs import fraction, model_source, positive_int
 from .loading import load_target
 from .train import add_recipe_arguments, recipe_arguments
 
@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", required=True, help="stages, report and the chosen drafter/")
     parser.add_argument("--dev-size", type=positive_int, default=512, help="prompts in each of the two disjoint dev sets")
     parser.add_argument("--min-layers", type=positive_int, default=1)
-    parser.add_argument("--min-tau-fraction", type=float, default=MIN_TAU_FRACTION,
+    parser.add_argument("--min-tau-fraction", type=fraction, default=MIN_TAU_FRACTION,
                         help="stop once τ falls below this fraction of the unpruned drafter's")
     parser.add_argument("--recovery-steps", type=positive_int, default=10_000)
     parser.add_argument("--max-new-tokens", type=positive_int, default=MAX_NEW_TOKENS,

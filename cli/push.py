@@ -7,11 +7,12 @@ from pathlib import Path
 from hub_upload.push import PushError, check_drafter_folder, push_drafter, stage_drafter
 
 from .errors import UserError
+from .inputs import repo_id
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("drafter", help="a drafter folder (as `d3d train`, `d3d prune` or `d3d quickstart` write it)")
-    parser.add_argument("repo_id", help="the Hub repository, e.g. my-org/d3d-qwen3-8b")
+    parser.add_argument("repo_id", type=repo_id, help="the Hub repository, e.g. my-org/d3d-qwen3-8b")
     parser.add_argument("--bench", default=None,
                         help="bench.json for the card's eval results (default: DRAFTER/../bench.json if present)")
     parser.add_argument("--target", default=None, help="the target's Hub id for the card (default: as trained)")

@@ -14,7 +14,7 @@ from benchmark.vllm_server import d3d_speculative_config, server_command
 
 from . import vllm_env
 from .errors import UserError
-from .inputs import model_folder
+from .inputs import model_folder, port, positive_int
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -25,9 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=None,
                         help="drafts verified per round, 1..block_size-1 (default block_size-1)")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=port, default=8000)
     parser.add_argument("--dtype", choices=DTYPES, default="auto", help="vLLM's --dtype for target and drafter")
-    parser.add_argument("--max-model-len", type=int, default=None, help="vLLM's --max-model-len")
+    parser.add_argument("--max-model-len", type=positive_int, default=None, help="vLLM's --max-model-len")
     vllm_env.add_argument(parser)
     parser.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then extra arguments of vLLM's server (as `vllm serve` takes)")
 
@@ -56,8 +56,6 @@ def speculative_config(drafter: str, target_config: dict, num_speculative_tokens
 
 def serve_command(args: argparse.Namespace) -> list[str]:
     """The vLLM server's command line for `args` (every input checked first)."""
-    if not 1 <= args.port <= 65535:
-        raise UserError(f"--port must be 1..65535, got {args.port}")
     target_config = read_config(args.target, "target")
     spec = speculative_config(args.drafter, target_config, args.num_speculative_tokens)
     length = [] if args.max_model_len is None else ["--max-model-len", str(args.max_model_len)]

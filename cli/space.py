@@ -10,14 +10,27 @@ import argparse
 from space_app import loading
 
 from . import dtype
+from .errors import UserError
+from .inputs import device, model_source, port, positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    loading.add_arguments(parser)
+    loading.add_arguments(parser, port=port, count=positive_int, device=device)
     dtype.add_argument(parser)
 
 
+def check_model_sources(args: argparse.Namespace) -> None:
+    """Refuse (`UserError`) a target or drafter, from its argument, the environment or the default, that is neither a
+    whole model folder nor a Hub id, before anything loads."""
+    for option, source in zip(("--target", "--drafter"), loading.model_sources(args), strict=True):
+        try:
+            model_source(source)
+        except argparse.ArgumentTypeError as error:
+            raise UserError(f"{option} {source}: {error}") from error
+
+
 def run(args: argparse.Namespace) -> int:
+    check_model_sources(args)
     from space_app.app import serve  # gradio comes with the `space` extra: imported only when serving
 
     choice = dtype.choose_dtype(args.dtype, loading.devices(args)[0])

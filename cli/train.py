@@ -6,6 +6,7 @@ import importlib.util
 from pathlib import Path
 
 import torch
+from transformers.trainer_utils import get_last_checkpoint
 
 from modeling_d3d import D3DForBlockDiffusion
 from trainer.d3d_trainer import D3DTrainer, D3DTrainingArguments
@@ -14,9 +15,12 @@ from trainer.data import load_responses
 from trainer.provenance import DrafterProvenance
 
 from . import dtype
+from .errors import UserError
 from .host_memory import keep_freed_memory_on_cpu
-from .inputs import model_source, positive_float, positive_int
+from .inputs import model_source, non_negative_float, positive_float, positive_int
 from .loading import load_target
+
+KEPT_CHECKPOINTS = 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,19 +34,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mask-token-id", type=int, default=None)
     parser.add_argument("--epochs", type=positive_float, default=3.0)
     parser.add_argument("--max-steps", type=positive_int, default=None, help="optimizer steps (default: --epochs)")
+    parser.add_argument("--save-steps", type=positive_int, default=500,
+                        help=f"save a checkpoint every N optimizer steps, OUTPUT/checkpoint-N (the last {KEPT_CHECKPOINTS} "
+                             "are kept): weights, optimizer, scheduler, RNG states and the place in the data")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the last checkpoint in --output, where an interrupted run left it")
     add_recipe_arguments(parser)
 
 
 def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
     """The optimisation and objective settings shared by `train` and `prune` (its recovery training)."""
     parser.add_argument("--learning-rate", type=positive_float, default=1e-5)
-    parser.add_argument("--min-learning-rate", type=float, default=1e-6)
+    parser.add_argument("--min-learning-rate", type=non_negative_float, default=1e-6)
     parser.add_argument("--global-batch-size", type=positive_int, default=16)
     parser.add_argument("--per-device-batch-size", type=positive_int, default=1)
     parser.add_argument("--num-anchors", type=positive_int, default=128, help="K: diffusion blocks per example")
-    parser.add_argument("--gamma", type=float, default=DFLASH_GAMMA,
+    parser.add_argument("--gamma", type=positive_float, default=DFLASH_GAMMA,
                         help="position-weight decay (default: DFlash's value for B=16)")
-    parser.add_argument("--ar-weight", type=float, default=1.0, help="lambda: weight of the AR loss")
+    parser.add_argument("--ar-weight", type=non_negative_float, default=1.0, help="lambda: weight of the AR loss")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gradient-checkpointing", action="store_true",
                         help="recompute each decoder layer in backward instead of keeping its activations (less memory, "
@@ -53,10 +62,12 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
     dtype.add_argument(parser)
 
 
-def recipe_arguments(args: argparse.Namespace, output_dir: str, max_steps: int, choice: dtype.DtypeChoice
-                     ) -> D3DTrainingArguments:
+def recipe_arguments(args: argparse.Namespace, output_dir: str, max_steps: int, choice: dtype.DtypeChoice,
+                     save_steps: int | None = None) -> D3DTrainingArguments:
     """The paper's recipe: cosine lr to a floor, 1% warmup, no weight decay, clip 1, 8-bit AdamW on GPUs; bf16
-    autocast exactly when `choice` is bfloat16."""
+    autocast exactly when `choice` is bfloat16. A checkpoint in `output_dir` every `save_steps` steps (None: none)."""
+    saving = ({"save_strategy": "steps", "save_steps": save_steps, "save_total_limit": KEPT_CHECKPOINTS}
+              if save_steps is not None else {"save_strategy": "no"})
     on_gpu = torch.cuda.is_available()
     eight_bit = on_gpu and importlib.util.find_spec("bitsandbytes") is not None
     training_args = D3DTrainingArguments(
@@ -79,7 +90,7 @@ def recipe_arguments(args: argparse.Namespace, output_dir: str, max_steps: int, 
         activation_checkpointing=args.gradient_checkpointing,
         activation_checkpointing_kwargs={"use_reentrant": False},
         logging_steps=10,
-        save_strategy="no",
+        **saving,
         report_to=[],
         seed=args.seed,
         use_cpu=not on_gpu,
@@ -94,8 +105,21 @@ def _as_recorded(model: str) -> str:
     return str(Path(model).resolve()) if Path(model).exists() else model
 
 
+def checkpoint_to_resume(output: str, resume: bool) -> str | None:
+    """The last `checkpoint-N` of `output` with `resume`, else None; refused (`UserError`) when `resume` finds none,
+    and when a fresh run would train into an earlier run's checkpoints (rotating them out would delete them)."""
+    last = get_last_checkpoint(output) if Path(output).is_dir() else None
+    if resume and last is None:
+        raise UserError(f"--resume: {output} holds no checkpoint-N folder to continue from")
+    if not resume and last is not None:
+        raise UserError(f"{output} holds {Path(last).name} of an earlier run: pass --resume to continue it, or choose "
+                        "another --output")
+    return last
+
+
 def run(args: argparse.Namespace) -> int:
     dataset = load_responses(args.data)  # a wrong --data fails before the target loads
+    checkpoint = checkpoint_to_resume(args.output, args.resume)
     keep_freed_memory_on_cpu()
     choice = dtype.choose_dtype(args.dtype)
     print(choice)
@@ -105,8 +129,9 @@ def run(args: argparse.Namespace) -> int:
     )
     del target
     max_steps = args.max_steps if args.max_steps is not None else -1  # -1: transformers trains for --epochs
-    trainer = D3DTrainer(drafter, recipe_arguments(args, args.output, max_steps, choice), train_dataset=dataset)
-    result = trainer.train()
+    training_args = recipe_arguments(args, args.output, max_steps, choice, args.save_steps)
+    trainer = D3DTrainer(drafter, training_args, train_dataset=dataset)
+    result = trainer.train(resume_from_checkpoint=checkpoint)
     if trainer.is_world_process_zero():
         trainer.accelerator.unwrap_model(trainer.model).save_pretrained(args.output)
         tokenizer.save_pretrained(args.output)

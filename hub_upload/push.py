@@ -19,6 +19,8 @@ from pathlib import Path
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, get_token
 from huggingface_hub.errors import HfHubHTTPError
 
+from cli.inputs import check_model_files
+
 from .model_card import build_model_card
 
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
@@ -37,16 +39,15 @@ class PushError(RuntimeError):
 
 
 def check_drafter_folder(folder: Path) -> None:
-    """Raise `ValueError` unless `folder` holds a loadable `trust_remote_code` drafter (`FileNotFoundError` if absent)."""
+    """Raise `ValueError` unless `folder` holds a loadable `trust_remote_code` drafter with whole weights
+    (`FileNotFoundError` if absent)."""
     if not folder.is_dir():
         raise FileNotFoundError(f"no such folder: {folder}")
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{folder} has no config.json: not a saved drafter folder")
-    try:
-        auto_map = json.loads(config_path.read_text()).get("auto_map", {})
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{config_path} is not valid JSON ({error})") from error
+    check_model_files(folder)  # config.json is JSON, every *.safetensors whole (a truncated copy is refused)
+    auto_map = json.loads(config_path.read_text()).get("auto_map", {})
     for auto_class in ("AutoConfig", "AutoModel"):
         if auto_class not in auto_map:
             raise ValueError(f"{config_path} has no auto_map entry for {auto_class}: it would not load with "

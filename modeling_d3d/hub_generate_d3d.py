@@ -66,7 +66,7 @@ def generate(model, inputs=None, drafter=None, assistant_model=None, **kwargs):
     loading = {name: kwargs.pop(name) for name in LOADING_KWARGS if kwargs.get(name) is not None}
     if drafter is None:
         drafter = load_drafter(model, called_with(model), loading, kwargs.get("drafter_device"))
-    if not callable(getattr(drafter, "generate_batch", None)):
+    if getattr(getattr(drafter, "config", None), "model_type", None) != "d3d":  # every model has a generate_batch
         raise ValueError(f"drafter= must be a D3D drafter (AutoModel.from_pretrained(<repo>, trust_remote_code=True)), "
                          f"got {type(drafter).__name__}")
     settings = {name: value for name, value in kwargs.items() if value is not None}

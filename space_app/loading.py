@@ -3,6 +3,7 @@ output folder. Read when the app starts (never at import); no Gradio here, so `d
 
 import argparse
 import os
+from collections.abc import Callable
 
 import torch
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
@@ -12,16 +13,21 @@ DEFAULT_DRAFTER = "d3d-output/drafter"
 DEFAULT_QUEUE_SIZE = 16
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser, port: Callable[[str], int] = int,
+                  count: Callable[[str], int] = int, device: Callable[[str], str] = str) -> None:
+    """The Space's options; `port`, `count` (of requests) and `device` check those values as they are parsed
+    (`d3d space` passes `cli.inputs`' checks; the Space itself, with no project to import, plain conversions)."""
     parser.add_argument("--target", help=f"target folder or Hub id (else $D3D_TARGET, else {DEFAULT_TARGET})")
     parser.add_argument("--drafter", help=f"D3D drafter folder or Hub id (else $D3D_DRAFTER, else {DEFAULT_DRAFTER})")
-    parser.add_argument("--device", help="the target's device (default: cuda:0 when there is a GPU, else cpu)")
-    parser.add_argument("--drafter-device", help="the drafter's device (default: cuda:1 with two GPUs, else --device)")
+    parser.add_argument("--device", type=device,
+                        help="the target's device (default: cuda:0 when there is a GPU, else cpu)")
+    parser.add_argument("--drafter-device", type=device,
+                        help="the drafter's device (default: cuda:1 with two GPUs, else --device)")
     parser.add_argument("--host", help="address to serve on (default: $GRADIO_SERVER_NAME, else 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="port (default: $GRADIO_SERVER_PORT, else the first free from 7860)")
-    parser.add_argument("--concurrency", type=int, default=2, help="requests decoding at once (they share the hardware)")
+    parser.add_argument("--port", type=port, help="port (default: $GRADIO_SERVER_PORT, else the first free from 7860)")
+    parser.add_argument("--concurrency", type=count, default=2, help="requests decoding at once (they share the hardware)")
     parser.add_argument(
-        "--queue-size", type=int, default=DEFAULT_QUEUE_SIZE, help="requests waiting at most; more are refused"
+        "--queue-size", type=count, default=DEFAULT_QUEUE_SIZE, help="requests waiting at most; more are refused"
     )
 
 

@@ -40,6 +40,19 @@ def test_bench_needs_no_training_extras():
     assert result.stdout.strip().splitlines()[-1] == "[]"
 
 
+def test_an_unknown_command_imports_no_command_module():
+    """`d3d generate --help` (no such command) and `d3d --help` answer without importing any command's module (each
+    pulls in torch and transformers)."""
+    code = ("import sys; from cli.main import COMMANDS, main\n"
+            "for argv in (['generate', '--help'], ['--help']):\n"
+            "    assert main(argv) in (0, 2), argv\n"
+            "print(sorted(f'cli.{module}' for module, _ in COMMANDS.values() if f'cli.{module}' in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"
+    assert "invalid choice: 'generate'" in result.stderr
+
+
 def d3d(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     """`python -m cli.main ARGS` in a fresh process, from `cwd`, with the project importable."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
@@ -61,7 +74,7 @@ def test_bad_prompts_fail_before_any_model_loads(tmp_path):
     result = d3d("bench", "--target", "no/such-target", "--drafter", "no/such-drafter", "--prompts", "humaneval,missing.jsonl",
                  cwd=tmp_path)
     assert_one_line_error(result, "bench", "'missing.jsonl' is neither humaneval, pydoc nor a file")
-    result = d3d("bench", "--target", "t", "--drafter", "d", "--concurrency", "1,4", "--async-budget", "4x1.5", cwd=tmp_path)
+    result = d3d("bench", "--target", "org/t", "--drafter", "org/d", "--concurrency", "1,4", "--async-budget", "4x1.5", cwd=tmp_path)
     assert_one_line_error(result, "bench", "'4x1.5' is not a list of CxF budgets")
 
 
@@ -148,6 +161,23 @@ BAD_INPUTS = {  # name: (arguments with {root}, the command's one line contains)
                                  "argument --limit: must be an integer >= 1, got '-3'"),
     "train --max-steps 0": ("train --target {root}/target --data d --output o --max-steps 0",
                             "argument --max-steps: must be an integer >= 1, got '0'"),
+    "space --port -1": ("space --port -1", "argument --port: must be a port, 1..65535, got '-1'"),
+    "space --device bogus": ("space --device bogus", "argument --device: must be a device such as cpu, cuda or cuda:1"),
+    "space --drafter-device bogus": ("space --drafter-device bogus", "argument --drafter-device: must be a device"),
+    "space --concurrency 0": ("space --concurrency 0", "argument --concurrency: must be an integer >= 1, got '0'"),
+    "space, truncated drafter": ("space --target {root}/target --drafter {root}/truncated",
+                                 "--drafter {root}/truncated: {root}/truncated/model.safetensors is not a whole"),
+    "train --min-learning-rate -1": ("train --target {root}/target --data d --output o --min-learning-rate -1",
+                                     "argument --min-learning-rate: must be a number >= 0, got '-1'"),
+    "train --gamma -1": ("train --target {root}/target --data d --output o --gamma -1",
+                         "argument --gamma: must be a number > 0, got '-1'"),
+    "prune --min-tau-fraction 2": ("prune --target {root}/target --drafter {root}/target --data d --output o "
+                                   "--min-tau-fraction 2", "argument --min-tau-fraction: must be a number from 0 to 1"),
+    "push to an invalid repo id": ("push {root}/target a/b/c", "argument repo_id: must be a Hub repository id"),
+    "a bare name that is no folder": ("bench --target no-such-model --drafter {root}/target",
+                                      "argument --target: no such folder: no-such-model (and not a Hub id"),
+    "serve --max-model-len 0": ("serve --target {root}/target --drafter {root}/target --max-model-len 0",
+                                "argument --max-model-len: must be an integer >= 1, got '0'"),
     "bench --max-new-tokens past the positions": (
         "bench --target {root}/target --drafter {root}/target --max-new-tokens 100000",
         "--max-new-tokens 100000 does not fit the target's 512 positions"),

@@ -64,3 +64,15 @@ def test_ar_labels_are_the_shifted_response_and_padding_is_masked():
 def test_too_short_examples_are_refused():
     with pytest.raises(ValueError, match="at least 2 tokens"):
         D3DCollator(block_size=BLOCK, num_anchors=2)([{"prompt": [1], "completion": [2]}])
+
+
+def test_anchors_depend_on_the_example_the_seed_and_the_epoch_only():
+    """What a resumed run needs: a batch packs the same whatever was collated before it (no stream to restore), and
+    a new epoch draws new anchors."""
+    first = D3DCollator(block_size=BLOCK, num_anchors=3, seed=0)(examples())
+    collator = D3DCollator(block_size=BLOCK, num_anchors=3, seed=0)
+    for _ in range(3):
+        collator([{"prompt": [5, 6], "completion": list(range(1, 20))}])
+    assert all(torch.equal(value, first[name]) for name, value in collator(examples()).items())
+    collator.epoch = 1
+    assert not torch.equal(collator(examples())["anchors"], first["anchors"])

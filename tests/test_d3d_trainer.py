@@ -50,6 +50,7 @@ def test_training_raises_acceptance_and_logs_each_term(setup):
         drafter = D3DForBlockDiffusion.from_backbone(target, block_size=BLOCK)
         trainer = D3DTrainer(drafter, training_args(tmp_path, name, 150, ar_weight=ar_weight), train_dataset=data)
         trainer.train()
+        assert trainer.data_collator.epoch == 24  # 150 steps of 6 an epoch: the collator was told each epoch
         logged = [entry for entry in trainer.state.log_history if "loss_diffusion" in entry]
         assert logged and all("loss_ar" in entry for entry in logged)
         assert logged[-1]["loss_diffusion"] < logged[0]["loss_diffusion"]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import tiny_target, word_tokenizer
-from trainer.data import RECORDS, generate_responses, load_responses
+from trainer.data import RECORDS, generate_responses, load_responses, read_records
 
 PROMPTS = [" ".join(f"w{(i * 7 + j) % 90}" for j in range(1 + i % 5)) for i in range(11)]
 
@@ -81,3 +81,18 @@ def test_a_rerun_reuses_only_rows_of_the_same_prompt_and_settings(tmp_path, caps
     assert longer.rows == [4, 2]  # other settings: nothing reused
     assert "reused 0 of 6 rows; 6 prompt(s) new or with other settings; 7 earlier row(s) dropped" in capsys.readouterr().out
     assert dataset[:] == generate_responses(target, tokenizer, edited[1:], tmp_path / "fresh7", max_new_tokens=7)[:]
+
+
+def test_a_torn_line_in_the_middle_loses_no_record_after_it(tmp_path, capsys):
+    target, tokenizer = tiny_target(0), word_tokenizer()
+    generate_responses(target, tokenizer, PROMPTS[:6], tmp_path, batch_size=4, max_new_tokens=5)
+    lines = (tmp_path / RECORDS).read_text().splitlines(keepends=True)
+    torn = "".join([*lines[:2], '{"index": 2, "prompt": [1\n', *lines[2:], '{"index": 7, "pro'])
+    (tmp_path / RECORDS).write_text(torn)
+    assert read_records(tmp_path / RECORDS) == [json.loads(line) for line in lines]
+    assert (tmp_path / RECORDS).read_text() == torn[: torn.rindex("\n") + 1]  # only the torn last line is cut
+    assert "skipped 1 unreadable line(s) (line 3); kept the 6 whole record(s)" in capsys.readouterr().err
+    counting = CountingTarget(target)
+    dataset = generate_responses(counting, tokenizer, PROMPTS[:6], tmp_path, batch_size=4, max_new_tokens=5)
+    assert counting.rows == []  # every record after the torn line was reused, none regenerated
+    assert dataset[:] == generate_responses(target, tokenizer, PROMPTS[:6], tmp_path / "fresh", max_new_tokens=5)[:]

@@ -99,12 +99,13 @@ def test_the_real_matmul_timing_runs():
 
 @pytest.mark.parametrize("command", ["quickstart", "train", "prune", "generate-data", "bench", "bench-prefill", "space"])
 def test_every_model_loading_command_takes_dtype(command):
-    required = {"quickstart": [], "train": ["--target", "t", "--data", "d", "--output", "o"],
-                "prune": ["--target", "t", "--drafter", "d", "--data", "d", "--output", "o"],
-                "generate-data": ["--target", "t", "--prompts", "p", "--output", "o"],
-                "bench": ["--target", "t", "--drafter", "d"], "bench-prefill": ["--target", "t", "--drafter", "d"],
+    required = {"quickstart": [], "train": ["--target", "org/t", "--data", "d", "--output", "o"],
+                "prune": ["--target", "org/t", "--drafter", "org/d", "--data", "d", "--output", "o"],
+                "generate-data": ["--target", "org/t", "--prompts", "p", "--output", "o"],
+                "bench": ["--target", "org/t", "--drafter", "org/d"],
+                "bench-prefill": ["--target", "org/t", "--drafter", "org/d"],
                 "space": []}[command]
-    parser = build_parser(command)
+    parser = build_parser([command])
     assert parser.parse_args([command, *required]).dtype == "auto"
     assert parser.parse_args([command, *required, "--dtype", "bfloat16"]).dtype == "bfloat16"
     with pytest.raises(SystemExit):

@@ -8,6 +8,8 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import pytest
+import torch
 
 from conftest import run_without_project, tiny_drafter, tiny_target, word_tokenizer
 from distribution import NEW_TOKENS, PROMPT, SAMPLES, SETTINGS, VOCAB, chi_square_p_value, exact_distribution
@@ -170,3 +172,13 @@ def test_a_pushed_repo_runs_the_hub_call_by_its_id(tmp_path: Path):
         result = run_without_project(code, str(target_folder), cwd=tmp_path, env={"HF_ENDPOINT": hub.endpoint, "HF_HUB_OFFLINE": "0"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("transformers_modules.me.d3d_hyphen_tiny.")
+
+
+def test_the_hub_call_refuses_a_drafter_that_is_not_d3d(tmp_path: Path):
+    """Every transformers model has a `generate_batch` (continuous batching): a target passed as `drafter=` is refused
+    in one clear error, not sent into it."""
+    drafter_folder, _ = saved_pair(tmp_path, 96)
+    target = tiny_target(0, vocab_size=96)
+    with pytest.raises(ValueError, match="drafter= must be a D3D drafter .*got Qwen3ForCausalLM"):
+        target.generate(torch.tensor([[5, 17, 3]]), custom_generate=str(drafter_folder), trust_remote_code=True,
+                        drafter=tiny_target(1, vocab_size=96), max_new_tokens=4)

@@ -297,3 +297,17 @@ def test_a_pruned_drafter_without_provenance_does_not_invent_a_target(drafter_fo
 def _write(path: Path, data: dict) -> Path:
     path.write_text(json.dumps(data))
     return path
+
+
+def test_a_truncated_weights_file_is_refused_before_anything_is_written_or_uploaded(drafter_folder, tmp_path, capsys):
+    weights = drafter_folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    output = tmp_path / "upload"
+    assert main(["push", str(drafter_folder), "me/d3d-tiny", "--dry-run", str(output)]) == 2
+    error = capsys.readouterr().err
+    assert error.splitlines() == [error.strip()] and f"{weights} is not a whole safetensors file" in error
+    assert not output.exists()
+    with MockHub() as hub:
+        with pytest.raises(ValueError, match="is not a whole safetensors file"):
+            push_drafter(drafter_folder, "me/d3d-tiny", token=TOKEN, endpoint=hub.endpoint)
+    assert hub.state.requests == []

@@ -36,7 +36,8 @@ def error_of(capsys, *args) -> str:
     ("wrong_vocab", [], "vocabulary size 640 differs from the target's 512"),
     ("not_d3d", [], "not a D3D drafter"),
     ("drafter", ["--num-speculative-tokens", "8"], "must be 1..7"),
-    ("drafter", ["--port", "70000"], "--port must be 1..65535"),
+    ("drafter", ["--port", "70000"], "argument --port: must be a port, 1..65535, got '70000'"),
+    ("drafter", ["--max-model-len", "0"], "argument --max-model-len: must be an integer >= 1, got '0'"),
     ("missing", [], "no such folder"),
     ("empty", [], "no config.json there"),
 ])

@@ -1,11 +1,15 @@
 """The training commands end to end on a tiny target: generate-data, a 2-process `accelerate launch` of train, prune."""
 
 import json
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
 import psutil
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from cli.main import main
 from conftest import run_leaving_no_process, tiny_target, word_tokenizer
@@ -72,3 +76,52 @@ def test_prune_writes_the_chosen_drafter_and_report(workspace):
     report = json.loads((workspace / "pruned" / "pruning.json").read_text())
     assert [stage["depth"] for stage in report["stages"]] == [2, 1]
     assert D3DForBlockDiffusion.from_pretrained(workspace / "pruned" / "drafter").config.num_hidden_layers == report["chosen"]
+
+
+# `d3d train` in a fresh process that SIGKILLs itself as step 5 ends, after checkpoint-4 was saved.
+KILLED_AT_STEP_5 = """
+import os, signal, sys
+from transformers import TrainerCallback
+from trainer.d3d_trainer import D3DTrainer
+
+class KillAtStep5(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 5:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+init = D3DTrainer.__init__
+def init_then_arm(self, *args, **kwargs):
+    init(self, *args, **kwargs)
+    self.add_callback(KillAtStep5())
+D3DTrainer.__init__ = init_then_arm
+from cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_train_resumes_a_killed_run_to_the_uninterrupted_weights(workspace, tmp_path, capsys):
+    """Checkpoints every 2 steps; a run SIGKILLed at step 5 and continued with --resume (from checkpoint-4, mid-epoch:
+    24 examples in batches of 2 are 6 steps an epoch) ends, 8 steps and one epoch boundary later, with the weights of
+    a run never interrupted: same data order, same anchors, same optimizer and scheduler state."""
+    def train(output: Path, *extra: str) -> list[str]:
+        return ["train", "--target", str(workspace / "target"), "--data", str(workspace / "data"), "--output",
+                str(output), "--block-size", "4", "--max-steps", "8", "--save-steps", "2", "--num-anchors", "4",
+                "--learning-rate", "1e-3", "--global-batch-size", "4", "--per-device-batch-size", "2", *extra]
+
+    assert main(train(tmp_path / "whole")) == 0
+    killed = subprocess.run([sys.executable, "-c", KILLED_AT_STEP_5, *train(tmp_path / "resumed")], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-4000:]
+    assert sorted(path.name for path in (tmp_path / "resumed").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    capsys.readouterr()
+    assert main(train(tmp_path / "resumed")) == 2  # a fresh run would rotate out the killed run's checkpoints
+    assert "holds checkpoint-4 of an earlier run: pass --resume" in capsys.readouterr().err
+    assert main(train(tmp_path / "empty", "--resume")) == 2
+    assert "--resume: " in capsys.readouterr().err
+
+    assert main(train(tmp_path / "resumed", "--resume")) == 0
+    assert "trained 8 steps" in capsys.readouterr().out
+    whole, resumed = (load_file(tmp_path / name / "model.safetensors") for name in ("whole", "resumed"))
+    assert whole.keys() == resumed.keys()
+    for name in whole:
+        torch.testing.assert_close(resumed[name], whole[name], msg=name)

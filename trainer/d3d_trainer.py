@@ -1,10 +1,11 @@
 """`D3DTrainer`: a `transformers.Trainer` for D3D drafters (diffusion + AR loss; + distillation for recovery)."""
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from .collator import D3DCollator
 from .losses import DFLASH_GAMMA, LOGITS_CHUNK_ELEMENTS, training_losses
@@ -66,6 +67,17 @@ def training_attention(requested: str, device: torch.device) -> str:
     return requested
 
 
+class CollatorEpoch(TrainerCallback):
+    """Tells the `D3DCollator` which epoch begins (also the one a resumed run continues), so that its anchors depend
+    on the example and the epoch only."""
+
+    def __init__(self, collator: D3DCollator):
+        self.collator = collator
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        self.collator.epoch = math.floor(state.epoch or 0)
+
+
 class D3DTrainer(Trainer):
     """Trains a `D3DForBlockDiffusion` on `{"prompt", "completion"}` token-id datasets.
 
@@ -81,6 +93,8 @@ class D3DTrainer(Trainer):
                 seed=args.seed,
             )
         super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
+        if isinstance(data_collator, D3DCollator):
+            self.add_callback(CollatorEpoch(data_collator))
         self.model_accepts_loss_kwargs = False
         self.teacher_model = None
         if teacher_model is not None:

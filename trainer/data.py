@@ -9,6 +9,7 @@ is saved as a `datasets` dataset with `index`, `prompt` and `completion` (in the
 
 import json
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,23 +24,38 @@ DATASET = "dataset"
 
 
 def read_records(path: Path) -> list[dict]:
-    """The completed records; a torn last line (an interrupted write) is dropped from the file."""
+    """The completed records of `path`, every one that is whole. A torn last line (an interrupted write, no newline
+    yet) is cut from the file so the next append starts on a line of its own; an unreadable line elsewhere is skipped
+    and reported on stderr, and the records after it are kept."""
     if not path.exists():
         return []
-    records, good_bytes = [], 0
+    records, skipped, whole_bytes = [], [], 0
     with path.open("rb") as handle:
-        for line in handle:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                break
+        for number, line in enumerate(handle, start=1):
             if not line.endswith(b"\n"):
-                break
-            records.append(record)
-            good_bytes += len(line)
-    with path.open("r+b") as handle:
-        handle.truncate(good_bytes)
+                break  # the last line, torn: cut below
+            whole_bytes += len(line)
+            record = _record(line)
+            if record is None:
+                skipped.append(number)
+            else:
+                records.append(record)
+    if whole_bytes < path.stat().st_size:
+        with path.open("r+b") as handle:
+            handle.truncate(whole_bytes)
+    if skipped:
+        print(f"{path}: skipped {len(skipped)} unreadable line(s) (line {', '.join(map(str, skipped))}); "
+              f"kept the {len(records)} whole record(s)", file=sys.stderr)
     return records
+
+
+def _record(line: bytes) -> dict | None:
+    """The record on `line`, or None unless it is a JSON object with a prompt and a completion."""
+    try:
+        record = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return record if isinstance(record, dict) and {"prompt", "completion"} <= record.keys() else None
 
 
 def _key(prompt_ids: list[int], settings: dict) -> str:
