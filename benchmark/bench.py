@@ -84,7 +84,7 @@ def build_methods(drafter, assistant, default: tuple[int, int], best: tuple[int,
     methods += [Method(f"lookup, engine{suffix(c)}", engine_kwargs(None, c, lookup=True), compiled=c) for c in modes]
     methods += [Method(f"D3D sync{suffix(c)}", engine_kwargs(drafter, c), drafting="sync", compiled=c) for c in modes]
     methods.append(Method("D3D sync, policy", engine_kwargs(drafter, False, policy=True), drafting="sync"))
-    methods += [Method(f"hybrid: D3D + lookup{suffix(c)}", engine_kwargs(drafter, c, lookup=True), drafting="sync",
+    methods += [Method(f"D3D + lookup (hybrid){suffix(c)}", engine_kwargs(drafter, c, lookup=True), drafting="sync",
                        compiled=c) for c in modes]
     methods.append(Method(f"D3D async C={default[0]} F={default[1]}", engine_kwargs(drafter, False, *default),
                           drafting="async"))

@@ -8,7 +8,7 @@ import argparse
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig
+from transformers import AutoConfig, GenerationConfig
 
 from benchmark import concurrency, report, vllm_bench
 from benchmark.bench import COMPILE_CHOICES, benchmark
@@ -17,7 +17,7 @@ from modeling_d3d import D3DForBlockDiffusion
 
 from . import dtype, vllm_env
 from .errors import UserError
-from .inputs import model_source, positive_int
+from .inputs import model_source, non_negative_int, positive_float, positive_int, top_p
 from .loading import load_target, read_prompts
 
 
@@ -39,23 +39,49 @@ def parse_levels(text: str) -> list[int]:
 
 
 def prompt_set(name: str) -> list[str]:
-    """`humaneval`, `pydoc` (the embedded sets) or a `.jsonl`/`.txt` file; `ValueError` if none or empty."""
-    from quickstart.corpus import humaneval_prompts, pydoc_prompts
+    """`humaneval`, `pydoc`, `repetitive` (the embedded sets) or a `.jsonl`/`.txt` file; `ValueError` if none or
+    empty."""
+    from quickstart.corpus import humaneval_prompts, pydoc_prompts, repetitive_prompts
 
-    sets = {"humaneval": humaneval_prompts, "pydoc": pydoc_prompts}
+    sets = {"humaneval": humaneval_prompts, "pydoc": pydoc_prompts, "repetitive": repetitive_prompts}
     if name in sets:
         return sets[name]()
     if not Path(name).is_file():
-        raise ValueError(f"--prompts {name!r} is neither humaneval, pydoc nor a file")
+        raise ValueError(f"--prompts {name!r} is neither humaneval, pydoc, repetitive nor a file")
     prompts = read_prompts(name)
     if not prompts:
         raise ValueError(f"--prompts {name!r} holds no prompts")
     return prompts
 
 
+SAMPLING_FLAGS = ("temperature", "top_p", "top_k")
+
+
+def sampling_settings(args: argparse.Namespace) -> dict | None:
+    """The benchmark's sampling (None: greedy): `--sampling generation-config` takes the target's own
+    `generation_config.json` (Qwen3's: T=0.6, top_p=0.95, top_k=20), `--do-sample` the flags given."""
+    given = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
+    if args.sampling == "generation-config":
+        if args.do_sample or given:
+            raise ValueError("--sampling generation-config takes the target's own settings: drop --do-sample, "
+                             "--temperature, --top-p and --top-k, or drop --sampling")
+        try:
+            config = GenerationConfig.from_pretrained(args.target)
+        except OSError as error:
+            raise UserError(f"--sampling generation-config: the target has no generation_config.json ({error})") from None
+        if not config.do_sample:
+            raise UserError("--sampling generation-config: the target's generation config decodes greedily")
+        return {"do_sample": True, **{name: getattr(config, name) for name in SAMPLING_FLAGS}}
+    if given and not args.do_sample:
+        raise ValueError(f"--{'/--'.join(name.replace('_', '-') for name in given)} set without --do-sample")
+    return {"do_sample": True, **given} if args.do_sample else None
+
+
 def check_arguments(args: argparse.Namespace) -> dict[str, list[str]]:
     """Check the cheap inputs before any model loads; returns the prompt texts by set name."""
     parse_grid(args.sweep)
+    if sampling_settings(args) and (args.concurrency or args.engine == "vllm"):
+        raise ValueError("sampled decoding is measured in the method comparison, not with --concurrency yet")
     if args.concurrency:
         parse_levels(args.concurrency)
         if len(parse_grid(args.async_budget)) != 1:
@@ -74,7 +100,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, type=model_source)
     parser.add_argument("--drafter", required=True, type=model_source)
     parser.add_argument("--assistant", default=None, type=model_source, help="an AR assistant for HF assisted generation (optional)")
-    parser.add_argument("--prompts", default="humaneval", help="comma-separated: humaneval, pydoc or FILE.jsonl")
+    parser.add_argument("--prompts", default="humaneval",
+                        help="comma-separated: humaneval, pydoc, repetitive (code asked for again) or FILE.jsonl")
+    parser.add_argument("--do-sample", action="store_true", help="sample (with --temperature, --top-p, --top-k)")
+    parser.add_argument("--temperature", type=positive_float, default=None)
+    parser.add_argument("--top-p", type=top_p, default=None)
+    parser.add_argument("--top-k", type=non_negative_int, default=None)
+    parser.add_argument("--sampling", choices=("generation-config",), default=None,
+                        help="generation-config: sample as the target's own generation_config.json says")
     parser.add_argument("--num-prompts", type=positive_int, default=40, help="first N prompts of each set")
     parser.add_argument("--max-new-tokens", type=positive_int, default=128)
     parser.add_argument("--sweep", default=None, help="(C, F) grid for the async sweep, e.g. 4x2,8x1,12x2")
@@ -114,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
         return run_concurrency(target, drafter, sets, args, choice)
     results = {"dtype": choice.description,
                **benchmark(target, drafter, sets, args.max_new_tokens, assistant, parse_grid(args.sweep),
-                          compile=args.compile)}
+                          compile=args.compile, sampling=sampling_settings(args))}
     table = report.write(results, Path(args.output)) if args.output else report.markdown(results)
     print(table)
     lossless = all(row["lossless"] or row["divergences"] == 0  # near-ties of a low-precision run do not fail

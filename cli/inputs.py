@@ -46,6 +46,16 @@ def fraction(text: str) -> float:
     return _number(text, lambda value: 0 <= value <= 1, "a number from 0 to 1")
 
 
+def top_p(text: str) -> float:
+    """A number in (0, 1]: the probability mass nucleus sampling keeps."""
+    return _number(text, lambda value: 0 < value <= 1, "a number in (0, 1]")
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0."""
+    return _integer(text, 0, None, "an integer >= 0")
+
+
 def _number(text: str, accepted: Callable[[float], bool], what: str) -> float:
     """`text` as a float if `accepted` holds for it (never for NaN); else `ArgumentTypeError` saying `what` it must be."""
     try:

@@ -74,3 +74,42 @@ def test_bench_concurrency_writes_table_json_and_plot(tmp_path, capsys):
         assert row["sync"]["tau"] >= 1 and row["sync"]["hit_rate"] is None and row["async"]["hit_rate"] is not None
         assert row["server"]["tau"] >= 1 and row["server"]["batched_rounds"] >= 1 and row["server"]["hit_rate"] is None
     assert (tmp_path / "bench" / "concurrency.png").stat().st_size > 0
+
+
+def test_bench_command_sampled_checks_the_distribution_and_reports_the_ceiling(tmp_path, capsys):
+    tiny_target(0, layers=2, vocab_size=24).save_pretrained(tmp_path / "target")
+    word_tokenizer(num_words=21).save_pretrained(tmp_path / "target")
+    D3DForBlockDiffusion.from_backbone(tiny_target(0, layers=2, vocab_size=24), block_size=4).save_pretrained(
+        tmp_path / "drafter")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"w{i} w{i + 3} w{i} w{i + 3} w{i}"}) for i in range(3)))
+    code = main(["bench", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
+                 "--prompts", str(prompts), "--max-new-tokens", "16", "--sweep", "2x1", "--compile", "none",
+                 "--dtype", "float32", "--do-sample", "--temperature", "0.7", "--top-k", "8",
+                 "--output", str(tmp_path / "bench")])
+    table = capsys.readouterr().out
+    assert code == 0, table
+    assert "sampled (temperature 0.7, top_k 8)" in table and "Ceiling τ" in table
+    results = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    prompt_set = results["prompt_sets"]["prompts"]
+    methods = {m["method"]: m for m in prompt_set["methods"]}
+    assert {"lookup, engine", "D3D sync, policy", "D3D + lookup (hybrid)"} <= set(methods)
+    assert all(m["consistent"] and m["outside_support"] == 0 for m in methods.values())
+    assert methods["target generate"]["z"] == 0.0
+    assert 1.0 <= prompt_set["ceiling_tau"] <= 4.0
+
+
+def test_bench_sampling_flags_are_checked_before_any_model_loads(tmp_path, capsys):
+    tiny_target(0, layers=1).save_pretrained(tmp_path / "target")
+    common = ["bench", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "target")]
+    capsys.readouterr()  # the save's progress bars
+    for flags, message in ((["--do-sample", "--temperature", "-1"], "must be a number > 0"),
+                           (["--do-sample", "--top-p", "0"], "must be a number in (0, 1]"),
+                           (["--top-k", "5"], "without --do-sample"),
+                           (["--sampling", "generation-config", "--do-sample"], "drop --do-sample")):
+        try:
+            code = main(common + flags)
+        except SystemExit as exit_:
+            code = exit_.code
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and len(err.strip().splitlines()) <= 2, (flags, err)
