@@ -18,6 +18,8 @@ go to scratch columns after it, which are never committed.
 
 import torch
 
+from .streams_d3d import move
+
 
 class StaticKVCache:
     """Keys and values `(slots, kv_heads, capacity, head_dim)` per layer, for the HF decoder's `past_key_values`.
@@ -69,7 +71,7 @@ class StaticKVCache:
             raise RuntimeError(f"A write index of {write_index.shape[0]} rows for a pass over {rows}")
         self._first_row = first_row
         self._kv_length = None if kv_length == self.capacity else kv_length  # None: every column (compiled passes)
-        self.write_index = write_index.to(self.device, non_blocking=True)
+        self.write_index = move(write_index, self.device)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Write `(rows, kv_heads, width, head_dim)` states at the planned columns; return the attended columns."""

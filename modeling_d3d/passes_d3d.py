@@ -17,7 +17,7 @@ import torch
 from .caches_d3d import CachePool, StaticKVCache
 from .masking_d3d import interval_mask
 from .shapes_d3d import fixed_by_default
-from .streams_d3d import upload
+from .streams_d3d import move, upload
 
 
 @dataclass
@@ -129,7 +129,7 @@ def run_pass(model, cache: StaticKVCache, layout: PassLayout, logits_to_keep: in
                                  layout.own_start, layout.own_end]), device)
     ids, positions, write_index, prefix_end, own_start, own_end = fields.unbind(0)
     if tail is not None:
-        ids[:rows, ids.shape[1] - tail.shape[1]:] = tail.to(device, non_blocking=True)
+        ids[:rows, ids.shape[1] - tail.shape[1]:] = move(tail, device)
     cache.plan(ids.shape[0], write_index, kv_length, first_row)
     mask = interval_mask(model.config, prefix_end, own_start, own_end, kv_length, model.dtype)
     keep = logits_to_keep

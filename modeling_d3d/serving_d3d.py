@@ -19,6 +19,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from .network_d3d import check_compatibility
 from .engine_d3d import RoundRecord, RowSettings, SpeculativeEngine
 from .generation_d3d import make_source
+from .policy_d3d import make_chooser
 from .inputs_d3d import check_prompts
 from .settings_d3d import row_settings
 from .successor_d3d import DEFAULT_FANOUT
@@ -142,7 +143,8 @@ class D3DBatchServer:
     requests wait for a free row); asynchronous: prepare successor blocks on a worker thread while the target
     verifies (`sources_d3d.SuccessorSource`, with `coverage` and `fanout`); max_length: the longest prompt + new
     tokens a request may reach (the static caches are sized for `max_batch_size` rows of it; default the target's
-    positions, at most 4096); tokenizer: for requests with `stop_strings`. Use as a context manager or `close()`.
+    positions, at most 4096); tokenizer: for requests with `stop_strings`; lookup, policy: prompt lookup and the
+    chooser of what each row verifies (`policy_d3d.make_chooser`). Use as a context manager or `close()`.
     `engine`: the `SpeculativeEngine`, driven by the scheduler thread only (read it, do not step it).
     On a CPU the threads that build the server or submit to it give back their OpenMP worker pool (the scheduler
     decodes; `threads_d3d`), and the idle scheduler and drafting worker hold none.
@@ -158,6 +160,8 @@ class D3DBatchServer:
         fanout: int = DEFAULT_FANOUT,
         max_length: int | None = None,
         tokenizer=None,
+        lookup: bool | int = False,
+        policy=None,
     ):
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
@@ -167,8 +171,10 @@ class D3DBatchServer:
         self.max_batch_size = max_batch_size
         positions = getattr(target.config.get_text_config(), "max_position_embeddings", None) or DEFAULT_MAX_LENGTH
         max_length = min(positions, DEFAULT_MAX_LENGTH) if max_length is None else max_length
+        lookup, policy = make_chooser(lookup, policy, drafter.config.block_size if drafter is not None else None)
         self.engine = SpeculativeEngine(target, make_source(drafter, asynchronous, coverage, fanout, None, None),
-                                        max_rows=max_batch_size, max_length=max_length, keep_rounds=1000)
+                                        max_rows=max_batch_size, max_length=max_length, keep_rounds=1000,
+                                        lookup=lookup, policy=policy)
         self._cpu_pools = CPUWorkerPools()
         self._cpu_pools.release_own()  # allocating the caches gave the caller's thread a pool; the scheduler computes
         self._queues = _Queues([], {})

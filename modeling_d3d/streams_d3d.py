@@ -63,6 +63,19 @@ def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.to(device)
 
 
+def ordered_without_blocking(source: torch.device, destination: torch.device) -> bool:
+    """Whether a copy from `source` to `destination` may be queued without blocking the host: only onto a CUDA
+    device, where it is ordered on the destination's stream before the work that reads it. A copy from CUDA to the
+    host must block: a non-blocking one returns before the bytes land, and the host (a `.tolist()`) would read stale
+    memory."""
+    return torch.device(destination).type == "cuda"
+
+
+def move(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`: queued where that is safe (`ordered_without_blocking`), else a blocking copy."""
+    return tensor.to(device, non_blocking=ordered_without_blocking(tensor.device, device))
+
+
 class Fence:
     """A point in one stream's work on `device`: `record` it where the work is submitted, `wait` on it where the work
     is consumed (device side), or `synchronize` when the host needs the result (that stream only, never the whole

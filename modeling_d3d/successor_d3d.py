@@ -15,7 +15,7 @@ from .passes_d3d import CompiledPasses, PassLayout, PassLayoutBuilder, fixed_sha
 from .shapes_d3d import successor_causal_width, successor_scratch_columns
 from .sources_d3d import (BlockSource, DraftTiming, Proposal, block_pass_layout, catch_up, check_device,
                           commit_before_anchors)
-from .streams_d3d import Clock, Fence, current_stream, handoff, seconds, side_stream, upload, use_stream
+from .streams_d3d import Clock, Fence, current_stream, handoff, move, seconds, side_stream, upload, use_stream
 from .threads_d3d import CPUWorkerPools, in_callers_modes
 
 DEFAULT_COVERAGE = 12
@@ -206,7 +206,7 @@ class SuccessorSource(BlockSource):
         num_drafts = upload(torch.tensor(counts), drafts.device)
         # the worker's copies on the drafter's device (processed rows draft on the target's), made before the verify
         # pass is queued, then a fence: the worker stream waits for these, not for the verify pass
-        worker_inputs = [t.to(self.device, non_blocking=True) for t in (drafts, num_drafts, ranked)]
+        worker_inputs = [move(t, self.device) for t in (drafts, num_drafts, ranked)]  # the worker reads them on the host
         drafted = Fence(self.device, "the drafts").record()
         handoff(worker_inputs, self._stream)
         exposed = time.perf_counter() - start

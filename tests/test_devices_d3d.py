@@ -274,3 +274,20 @@ def test_background_drafting_is_ordered_by_fences_recorded_before_they_are_waite
     one_round = [("record", "the drafts", False), ("wait", "the drafts", True),
                  ("record", "the successor branches", True), ("wait", "the successor branches", False)]
     assert log == one_round * rounds
+
+
+def test_a_copy_to_the_host_blocks_and_a_copy_to_a_gpu_is_queued():
+    """The drafts, counts and ranked tokens a CPU drafter's worker reads with `.tolist()` come from the target's GPU:
+    a non-blocking device-to-host copy returns before its bytes land (the old `non_blocking=True` everywhere)."""
+    cpu, gpu0, gpu1 = torch.device("cpu"), torch.device("cuda:0"), torch.device("cuda:1")
+    assert not streams_d3d.ordered_without_blocking(gpu0, cpu)
+    assert streams_d3d.ordered_without_blocking(cpu, gpu0) and streams_d3d.ordered_without_blocking(gpu0, gpu1)
+    assert not streams_d3d.ordered_without_blocking(cpu, cpu)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_large_device_to_host_move_is_read_whole_at_once():
+    values = torch.arange(1 << 24, device="cuda") * 3
+    torch.cuda._sleep(10_000_000)  # the copy queues behind this on the stream
+    host = streams_d3d.move(values, torch.device("cpu"))
+    assert host[-1].item() == 3 * ((1 << 24) - 1)

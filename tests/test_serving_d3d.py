@@ -10,6 +10,7 @@ from transformers import (LogitsProcessor, StoppingCriteria, StoppingCriteriaLis
                           TopKLogitsWarper, TopPLogitsWarper)
 
 from conftest import tiny_target, word_tokenizer
+from policies import EveryChoice
 from cpu_pools import RELEASED, gone, needs_libgomp, parallel_kernel, pool_of_this_thread, task_ids
 from modeling_d3d import D3DBatchServer, D3DForBlockDiffusion
 from modeling_d3d.threads_d3d import CPUWorkerPools
@@ -37,9 +38,11 @@ def prompts(count: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(0, 8, (1 + (7 * i) % 23,), generator=generator).tolist() for i in range(count)]
 
 
-@pytest.mark.parametrize("asynchronous", [False, True])
-def test_concurrent_requests_stream_their_own_tokens(models, asynchronous):
+@pytest.mark.parametrize("asynchronous,chooser", [(False, False), (True, False), (False, True), (True, True)])
+def test_concurrent_requests_stream_their_own_tokens(models, asynchronous, chooser):
+    """With `chooser`, rows verify nothing, the drafter's block or a lookup by turns (`policies.EveryChoice`)."""
     target, drafter = models
+    settings = dict(lookup=True, policy=EveryChoice(drafter.config.block_size)) if chooser else {}
     requests = prompts(7)
     handles, chunks = [None] * len(requests), [[] for _ in requests]
 
@@ -48,7 +51,7 @@ def test_concurrent_requests_stream_their_own_tokens(models, asynchronous):
         for chunk in handles[index].stream(timeout=WAIT):
             chunks[index].append(chunk)
 
-    with drafter.batch_server(target, max_batch_size=3, asynchronous=asynchronous) as server:  # later ones join mid-run
+    with drafter.batch_server(target, max_batch_size=3, asynchronous=asynchronous, **settings) as server:  # later ones join mid-run
         threads = [threading.Thread(target=client, args=(i,)) for i in range(len(requests))]
         for thread in threads:
             thread.start()
@@ -60,6 +63,7 @@ def test_concurrent_requests_stream_their_own_tokens(models, asynchronous):
             assert sum(chunks[index], []) == handle.tokens and len(chunks[index]) == handle.rounds
         assert server.stats.rounds > 0 and server.stats.new_tokens == sum(10 + i for i in range(len(requests)))
         assert (server.stats.hit_rate is not None) == asynchronous
+        assert set(server.stats.verified) == ({"nothing", "block", "lookup"} if chooser else {"block"})
 
 
 def test_a_finished_stream_can_be_read_again_and_bad_requests_are_refused(models):
