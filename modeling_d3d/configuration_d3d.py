@@ -35,10 +35,16 @@ class D3DConfig(Qwen3Config):
         if any(layer_type != "full_attention" for layer_type in self.layer_types):
             raise ValueError("D3D needs full attention in every layer; sliding-window layers are not supported")
 
+    def require_mask_token(self) -> int:
+        """`mask_token_id`; `ValueError` (the one message) when it is unset."""
+        if self.mask_token_id is None:
+            raise ValueError("This drafter has no mask_token_id; set config.mask_token_id "
+                             "(D3DForBlockDiffusion.from_backbone chooses one) before drafting or training")
+        return self.mask_token_id
+
     def check_mask_token(self, tokenizer) -> None:
         """Raise `ValueError` if `mask_token_id` is unset or is one of `tokenizer`'s special or added tokens."""
-        if self.mask_token_id is None:
-            raise ValueError("This D3D config has no mask_token_id; set one (see D3DForBlockDiffusion.from_backbone)")
+        self.require_mask_token()
         special_ids = set(tokenizer.all_special_ids) | set(tokenizer.get_added_vocab().values())
         if self.mask_token_id in special_ids:
             token = tokenizer.convert_ids_to_tokens(self.mask_token_id)

@@ -26,6 +26,8 @@ from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLeng
 from .acceptance_d3d import RowSampling, ends_row_only, greedy_accept, process, rejection_sample
 from .caches_d3d import StaticKVCache
 from .lookup_d3d import LookupSource
+from .masking_d3d import ENGINE_ATTENTION
+from .network_d3d import check_vocabulary
 from .passes_d3d import CompiledPasses, PassLayout, compiled_passes, prefill, run_pass
 from .policy_d3d import BLOCK, NOTHING, RoundPlan, VerifyPolicy, apply_plan
 from .sources_d3d import DrafterSource, DraftTiming, Proposal
@@ -202,8 +204,9 @@ def check_target(target) -> None:
         raise ValueError("The D3D engine decodes decoder-only targets")
     if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
         raise ValueError("The D3D engine needs a target with full attention in every layer (no sliding windows)")
-    if (target.config._attn_implementation or "sdpa") not in ("sdpa", "eager"):
-        raise ValueError(f"The D3D engine runs sdpa or eager attention, not {target.config._attn_implementation!r}")
+    if (target.config._attn_implementation or "sdpa") not in ENGINE_ATTENTION:
+        raise ValueError(f"The D3D engine runs {' or '.join(ENGINE_ATTENTION)} attention, not "
+                         f"{target.config._attn_implementation!r}")
 
 
 class SpeculativeEngine:
@@ -228,10 +231,7 @@ class SpeculativeEngine:
                  policy: VerifyPolicy | None = None):
         check_target(target)
         if source is not None:
-            vocab = target.config.get_text_config().vocab_size
-            if source.drafter.config.vocab_size != vocab:
-                raise ValueError(f"Drafter vocabulary size {source.drafter.config.vocab_size} differs from the "
-                                 f"target's {vocab}: a D3D drafter must use the target's tokenizer and embedding size")
+            check_vocabulary(source.drafter, target)
         if max_rows < 1 or max_length < 2:
             raise ValueError(f"max_rows must be >= 1 and max_length >= 2, got {max_rows}, {max_length}")
         if lookup is not None and source is not None and lookup.block_size != source.block_size:

@@ -25,7 +25,10 @@ from transformers import PreTrainedConfig
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 CAUSAL_BLOCK_ID = -1
-_MASK_CAPABLE_ATTENTION = ("sdpa", "eager", "flex_attention")
+# The one list of attention implementations: those that take the block mask (training, the reference pass), and
+# those the engine's explicit static-cache masks are built for (`interval_mask`).
+MASK_CAPABLE_ATTENTION = ("sdpa", "eager", "flex_attention")
+ENGINE_ATTENTION = ("sdpa", "eager")
 
 
 def sees(kv_idx, prefix_end, own_start, own_end):
@@ -104,10 +107,10 @@ def create_block_diffusion_mask(
     attention_mask: optional 2D padding mask `(batch, past_length + q_length)`, 1 for real tokens.
     """
     implementation = config._attn_implementation or "sdpa"
-    if implementation not in _MASK_CAPABLE_ATTENTION:
+    if implementation not in MASK_CAPABLE_ATTENTION:
         raise ValueError(
             f"D3D block diffusion needs an arbitrary attention mask; attn_implementation={implementation!r} cannot "
-            f"take one. Use one of {_MASK_CAPABLE_ATTENTION}."
+            f"take one. Use one of {MASK_CAPABLE_ATTENTION}."
         )
     batch, q_length = block_ids.shape
     cached = torch.full((batch, past_length), CAUSAL_BLOCK_ID, dtype=torch.long, device=block_ids.device)
@@ -144,8 +147,9 @@ def interval_mask(
     `(rows, width)` long. Returns `(rows, 1, width, kv_length)`: boolean for sdpa, additive for eager.
     """
     implementation = config._attn_implementation or "sdpa"
-    if implementation not in ("sdpa", "eager"):
-        raise ValueError(f"The D3D engine builds explicit masks for sdpa or eager attention, not {implementation!r}")
+    if implementation not in ENGINE_ATTENTION:
+        raise ValueError(f"The D3D engine builds explicit masks for {' or '.join(ENGINE_ATTENTION)} attention, not "
+                         f"{implementation!r}")
     columns = torch.arange(kv_length, device=prefix_end.device)[None, None, :]
     visible = sees(columns, prefix_end[..., None], own_start[..., None], own_end[..., None])[:, None]
     if implementation == "sdpa":
@@ -153,5 +157,5 @@ def interval_mask(
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, torch.finfo(dtype).min)
 
 
-__all__ = ["CAUSAL_BLOCK_ID", "block_diffusion_mask_function", "block_intervals", "block_layout",
+__all__ = ["CAUSAL_BLOCK_ID", "ENGINE_ATTENTION", "MASK_CAPABLE_ATTENTION", "block_diffusion_mask_function", "block_intervals", "block_layout",
            "create_block_diffusion_mask", "interval_mask", "sees"]

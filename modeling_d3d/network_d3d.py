@@ -173,18 +173,10 @@ class D3DBlockDiffusionModel(D3DPreTrainedModel, GenerationMixin):
             **kwargs,
         )
 
-    def _require_mask_token(self) -> int:
-        if self.config.mask_token_id is None:
-            raise ValueError(
-                "This drafter has no mask_token_id; set config.mask_token_id (D3DForBlockDiffusion.from_backbone "
-                "chooses one) before drafting or training"
-            )
-        return self.config.mask_token_id
-
     def mask_blocks(self, anchor_tokens: torch.LongTensor) -> torch.LongTensor:
         """`(batch, K)` anchors -> `(batch, K * block_size)` ids `[anchor, M, ..., M]` per block."""
         batch, num_blocks = anchor_tokens.shape
-        blocks = anchor_tokens.new_full((batch, num_blocks, self.config.block_size), self._require_mask_token())
+        blocks = anchor_tokens.new_full((batch, num_blocks, self.config.block_size), self.config.require_mask_token())
         blocks[:, :, 0] = anchor_tokens
         return blocks.reshape(batch, -1)
 
@@ -353,9 +345,8 @@ def choose_mask_token_id(vocab_size: int, tokenizer=None) -> int:
     )
 
 
-def check_compatibility(drafter, target, target_tokenizer=None, drafter_tokenizer=None) -> None:
-    """Raise `ValueError` unless `drafter` can draft for `target`: same vocabulary size, a mask token, and (when
-    tokenizers are given) the same tokenizer vocabulary with the mask token not among the target's special tokens."""
+def check_vocabulary(drafter, target) -> None:
+    """Raise `ValueError` unless `drafter` and `target` have the same vocabulary size (the one vocabulary check)."""
     drafter_vocab = drafter.config.vocab_size
     target_vocab = target.config.get_text_config().vocab_size
     if drafter_vocab != target_vocab:
@@ -363,8 +354,13 @@ def check_compatibility(drafter, target, target_tokenizer=None, drafter_tokenize
             f"Drafter vocabulary size {drafter_vocab} differs from the target's {target_vocab}: a D3D drafter must use "
             "the target's tokenizer and embedding size (initialise it with D3DForBlockDiffusion.from_backbone)"
         )
-    if drafter.config.mask_token_id is None:
-        raise ValueError("The drafter has no mask_token_id; it cannot draft blocks")
+
+
+def check_compatibility(drafter, target, target_tokenizer=None, drafter_tokenizer=None) -> None:
+    """Raise `ValueError` unless `drafter` can draft for `target`: same vocabulary size, a mask token, and (when
+    tokenizers are given) the same tokenizer vocabulary with the mask token not among the target's special tokens."""
+    check_vocabulary(drafter, target)
+    drafter.config.require_mask_token()
     if target_tokenizer is not None and drafter_tokenizer is not None:
         if target_tokenizer.get_vocab() != drafter_tokenizer.get_vocab():
             raise ValueError("The drafter's tokenizer differs from the target's; a D3D drafter must share it")
@@ -373,4 +369,5 @@ def check_compatibility(drafter, target, target_tokenizer=None, drafter_tokenize
 
 
 __all__ = ["D3DBlockDiffusionModel", "D3DBlockDraft", "D3DPackedOutput", "D3DPreTrainedModel", "check_compatibility",
+           "check_vocabulary",
            "choose_mask_token_id"]

@@ -153,8 +153,7 @@ class BlockSource:
     and returns to on `close`); None: eager."""
 
     def __init__(self, drafter, passes: CompiledPasses | None = None, max_drafts: int | None = None):
-        if drafter.config.mask_token_id is None:
-            raise ValueError("The drafter has no mask_token_id; it cannot draft blocks")
+        drafter.config.require_mask_token()
         self.drafter, self.passes = drafter, passes
         self.forward = passes.forward("block") if passes is not None else None
         self.block_size = drafter.config.block_size

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
+from modeling_d3d.masking_d3d import MASK_CAPABLE_ATTENTION
+
 from .collator import D3DCollator
 from .losses import DFLASH_GAMMA, LOGITS_CHUNK_ELEMENTS, training_losses
 
@@ -62,8 +64,8 @@ def training_attention(requested: str, device: torch.device) -> str:
     elsewhere (flex attention has no backward on CPUs); anything else as given."""
     if requested == "auto":
         return "flex_attention" if device.type == "cuda" else "sdpa"
-    if requested not in ("sdpa", "eager", "flex_attention"):
-        raise ValueError(f"attn_implementation {requested!r}: use auto, sdpa, eager or flex_attention")
+    if requested not in MASK_CAPABLE_ATTENTION:
+        raise ValueError(f"attn_implementation {requested!r}: use auto, {', '.join(MASK_CAPABLE_ATTENTION)}")
     return requested
 
 
