@@ -464,6 +464,9 @@ class SpeculativeEngine:
                 self.source.wait()
             except Exception:  # the failed round's worker pass: its branches are dropped with the rows
                 pass
+        if self.policy is not None:
+            for row in self.rows:
+                self.policy.forget(row.key)
         self.rows = []
 
     def close(self) -> None:
