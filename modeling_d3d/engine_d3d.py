@@ -313,7 +313,7 @@ class SpeculativeEngine:
                         each.move(from_slot, to_slot)
         if self.policy is not None:
             for i in set(range(len(self.rows))) - set(kept):
-                self.policy.forget(self.rows[i].key)
+                self.policy.forget(id(self.rows[i]))
         self.rows = [self.rows[i] for i in kept]
 
     @torch.no_grad()
@@ -325,7 +325,7 @@ class SpeculativeEngine:
             return []
         start = self.clock.mark()
         graphs_before = compiled_graphs()
-        keys = [row.key for row in self.rows]
+        keys = [id(row) for row in self.rows]  # the policy's keys: rows of engines sharing it never mix
         contexts = [row.drafter_context for row in self.rows]  # before the round
         # 1. plan: what each row verifies (nothing, the drafter's block, a lookup continuation)
         lookups = self.lookup.propose(contexts) if self.lookup is not None else [[] for _ in keys]
@@ -466,7 +466,7 @@ class SpeculativeEngine:
                 pass
         if self.policy is not None:
             for row in self.rows:
-                self.policy.forget(row.key)
+                self.policy.forget(id(row))
         self.rows = []
 
     def close(self) -> None:

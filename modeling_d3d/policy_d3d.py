@@ -49,8 +49,10 @@ class RowHistory:
 class VerifyPolicy:
     """Maximises expected tokens per second (see the module docstring). block_size: the verify width `B`; smoothing:
     the weight of the newest observation in every average; probe_every: rounds a row may go without verifying the
-    drafter's block; costs: seconds per kind of pass (`"narrow"`, `"wide"`, `"drafter"`) to use instead of measured
-    ones (then decisions do not depend on timing: reproducible rounds)."""
+    drafter's block (doubled after each probe that kept nothing, up to 8x, and reset by one that kept a draft);
+    costs: seconds per kind of pass (`"narrow"`, `"wide"`, `"drafter"`) to use instead of measured ones (then
+    decisions do not depend on timing: reproducible rounds). What it learns (costs; `priors`, the smoothed accepted
+    drafts over every row, where new rows start) carries over from call to call when it is kept (`policy_for`)."""
 
     block_size: int
     smoothing: float = 0.25
@@ -58,12 +60,16 @@ class VerifyPolicy:
     costs: dict[str, float] | None = None
     measured: dict[tuple[str, int], float] = field(default_factory=dict)
     history: dict = field(default_factory=dict)
+    priors: dict[str, float] = field(default_factory=dict)
+    interval: int = 0
 
     def __post_init__(self):
         if not 0 < self.smoothing <= 1:
             raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing!r}")
         if isinstance(self.probe_every, bool) or not isinstance(self.probe_every, int) or self.probe_every < 1:
             raise ValueError(f"probe_every must be an integer >= 1, got {self.probe_every!r}")
+        self.priors = self.priors or {BLOCK: (self.block_size - 1) / 2, LOOKUP: (self.block_size - 1) / 2}
+        self.interval = self.interval or self.probe_every
 
     def cost(self, kind: str, rows: int) -> float:
         """Seconds of a pass of `kind` over `rows` rows: given, measured, or (not measured yet) the cheapest it can
@@ -79,9 +85,9 @@ class VerifyPolicy:
         return 0.0
 
     def row(self, key) -> RowHistory:
-        """`key`'s history; a new row starts optimistic (half of a block accepted), so it tries the drafter."""
+        """`key`'s history; a new row starts from the priors (at first optimistic: half a block accepted)."""
         if key not in self.history:
-            self.history[key] = RowHistory(block=(self.block_size - 1) / 2, lookup=(self.block_size - 1) / 2)
+            self.history[key] = RowHistory(block=self.priors[BLOCK], lookup=self.priors[LOOKUP])
         return self.history[key]
 
     def plan(self, keys: list, lookups: list[list[int]], drafter: bool) -> RoundPlan:
@@ -98,10 +104,12 @@ class VerifyPolicy:
                             [LOOKUP if found else NOTHING for found in lookups]))
         if drafter:
             gains = [max(b, g) for b, g in zip(block_gain, lookup_gain)]
-            options.append(((rows + sum(gains)) / (wide + self.cost("drafter", rows)), 2,
-                            [LOOKUP if g > b else BLOCK for b, g in zip(block_gain, lookup_gain)]))
-            if any(h.since_block >= self.probe_every for h in history):
-                options = options[-1:]
+            choices = [LOOKUP if g > b else BLOCK for b, g in zip(block_gain, lookup_gain)]
+            drafting = self.cost("drafter", rows) if BLOCK in choices else 0.0
+            options.append(((rows + sum(gains)) / (wide + drafting), 2, choices))
+            probes = [h.since_block >= self.interval for h in history]
+            if any(probes):
+                options = [(0.0, 3, [BLOCK if probe else choice for probe, choice in zip(probes, choices)])]
         _, _, choices = max(options, key=lambda option: option[:2])
         verifies = any(choice != NOTHING for choice in choices)
         return RoundPlan(choices, BLOCK in choices, self.block_size if verifies else 1)
@@ -115,11 +123,13 @@ class VerifyPolicy:
             self._measure("drafter", rows, drafter_seconds)
         for key, choice, accepted in zip(keys, plan.choices, accepted_drafts):
             history = self.row(key)
+            if choice == BLOCK and history.since_block >= self.interval:  # a probe: back off while they keep nothing
+                self.interval = self.probe_every if accepted else min(2 * self.interval, 8 * self.probe_every)
             history.since_block = 0 if choice == BLOCK else history.since_block + 1
-            if choice == BLOCK:
-                history.block += rate * (accepted - history.block)
-            elif choice == LOOKUP:
-                history.lookup += rate * (accepted - history.lookup)
+            if choice in (BLOCK, LOOKUP):
+                kind = BLOCK if choice == BLOCK else LOOKUP
+                setattr(history, kind, getattr(history, kind) + rate * (accepted - getattr(history, kind)))
+                self.priors[kind] += rate * (accepted - self.priors[kind])
 
     def forget(self, key) -> None:
         """Drop a row that left."""
@@ -133,11 +143,23 @@ class VerifyPolicy:
 DEFAULT_BLOCK_SIZE = 16  # the verify width of prompt lookup without a drafter
 
 
-def make_chooser(lookup, policy, block_size: int | None) -> tuple[LookupSource | None, "VerifyPolicy | None"]:
+def policy_for(model, block_size: int) -> VerifyPolicy:
+    """The `VerifyPolicy` kept on `model` (the drafter, else the target) as `model.d3d_verify_policy`, made on first
+    use: what it measured and learnt serves the next call. Keys of rows are the engine's own objects, so engines
+    sharing it do not mix their rows."""
+    policy = getattr(model, "d3d_verify_policy", None)
+    if not isinstance(policy, VerifyPolicy) or policy.block_size != block_size:
+        policy = VerifyPolicy(block_size)
+        model.d3d_verify_policy = policy
+    return policy
+
+
+def make_chooser(lookup, policy, block_size: int | None, holder=None) -> tuple[LookupSource | None, "VerifyPolicy | None"]:
     """The front doors' settings as engine parts. lookup: False, True (up to `B - 1` drafts a round) or an integer
     (at most that many); policy: False (the drafter's block every round, the paper's rule), True (a `VerifyPolicy`),
     a `VerifyPolicy`, or None (on with lookup, else off). Lookup needs the policy (it decides when a lookup is worth verifying). block_size: the
-    drafter's (None: no drafter, `DEFAULT_BLOCK_SIZE`). Raises `ValueError` for settings of the wrong kind."""
+    drafter's (None: no drafter, `DEFAULT_BLOCK_SIZE`); holder: the model that keeps a policy made here across calls
+    (`policy_for`; None: a new one). Raises `ValueError` for settings of the wrong kind."""
     block_size = block_size or DEFAULT_BLOCK_SIZE
     if policy is not None and not isinstance(policy, (bool, VerifyPolicy)):
         raise ValueError(f"policy must be True, False or a VerifyPolicy, got {policy!r}")
@@ -153,8 +175,9 @@ def make_chooser(lookup, policy, block_size: int | None) -> tuple[LookupSource |
         if policy.block_size != block_size:
             raise ValueError(f"The policy's block size {policy.block_size} differs from the verify width {block_size}")
         return source, policy
-    wanted = policy if policy is not None else source is not None
-    return source, VerifyPolicy(block_size) if wanted else None
+    if not (policy if policy is not None else source is not None):
+        return source, None
+    return source, policy_for(holder, block_size) if holder is not None else VerifyPolicy(block_size)
 
 
 def apply_plan(plan: RoundPlan, proposal: Proposal | None, lookups: list[list[int]], vocab_size: int,
@@ -187,4 +210,4 @@ def apply_plan(plan: RoundPlan, proposal: Proposal | None, lookups: list[list[in
 
 
 __all__ = ["BLOCK", "DEFAULT_BLOCK_SIZE", "LOOKUP", "NOTHING", "RoundPlan", "RowHistory", "VerifyPolicy", "apply_plan",
-           "make_chooser"]
+           "make_chooser", "policy_for"]

@@ -171,7 +171,8 @@ class D3DBatchServer:
         self.max_batch_size = max_batch_size
         positions = getattr(target.config.get_text_config(), "max_position_embeddings", None) or DEFAULT_MAX_LENGTH
         max_length = min(positions, DEFAULT_MAX_LENGTH) if max_length is None else max_length
-        lookup, policy = make_chooser(lookup, policy, drafter.config.block_size if drafter is not None else None)
+        lookup, policy = make_chooser(lookup, policy, drafter.config.block_size if drafter is not None else None,
+                                      drafter if drafter is not None else target)
         self.engine = SpeculativeEngine(target, make_source(drafter, asynchronous, coverage, fanout, None, None),
                                         max_rows=max_batch_size, max_length=max_length, keep_rounds=1000,
                                         lookup=lookup, policy=policy)
