@@ -33,6 +33,9 @@ from pathlib import Path
 import torch
 import transformers
 
+from modeling_d3d.versions_d3d import (COMPILED_ASYNC_TORCH, TORCH_RANGE, TRANSFORMERS_RANGE, release, requirement,
+                                       supported)
+
 from .gpu_check_identity import (BF16_TIE_TOLERANCE, MODES, back_to_back_check, compile_check, identity_check,
                                  new_prompts_check)
 from .gpu_check_models import SMOKE_SHAPES, Context, ModelCache, Shapes, error_summary
@@ -82,9 +85,22 @@ def run_check(check: Check, context: Context) -> CheckResult:
     return result
 
 
+def versions_line() -> str:
+    """The torch and transformers found, each against its supported range (`modeling_d3d.versions_d3d`)."""
+    found = [(name, version, bounds, supported(version, bounds)) for name, version, bounds in
+             (("torch", torch.__version__, TORCH_RANGE), ("transformers", transformers.__version__, TRANSFORMERS_RANGE))]
+    parts = [f"{name} {version} ({'in' if ok else 'NOT in'} the supported {requirement(name, bounds)})"
+             for name, version, bounds, ok in found]
+    if release(torch.__version__) < COMPILED_ASYNC_TORCH:
+        parts.append("compile-async expects the engine's refusal (compiled asynchronous drafting on CUDA needs "
+                     f"torch>={'.'.join(map(str, COMPILED_ASYNC_TORCH))})")
+    return "d3d gpu-check: " + "; ".join(parts)
+
+
 def environment_check(context: Context):
     details = {
         "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+        "versions": versions_line(),
         "cuda_runtime": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
         "device_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "check_device": str(context.device), "shapes": asdict(context.shapes),
@@ -107,19 +123,22 @@ def environment_check(context: Context):
     return "pass", f"torch {torch.__version__}, transformers {transformers.__version__}, {names}", details
 
 def all_checks() -> list[Check]:
-    identity = [Check(f"identity-float32-{mode}", identity_check("float32", mode), ("float32",), 10,
-                      needs_cuda=mode == "cross-device") for mode in MODES]
-    bf16 = [Check(f"identity-bfloat16-{mode}", identity_check("bfloat16", mode, BF16_TIE_TOLERANCE), ("bfloat16",), 10)
-            for mode in ("sync", "async")]
-    full = [Check("timing-8b", timing_check, ("8b",), 90, True), Check("overlap-8b", overlap_check, ("8b",), 30, True),
-            Check("memory-server-8b", memory_check, ("8b",), 40, True)]
+    """Every check, in the order it runs: the float32 checks (identity, then compile on the same models and
+    references), bfloat16 identity, then the 8B-shaped measurements; their `min_seconds` add up to `DEFAULT_BUDGET_S`
+    at most, so none is skipped for time when each takes what it needs."""
+    identity = [Check(f"identity-float32-{mode}", identity_check("float32", mode), ("float32",), 10) for mode in MODES]
     compiled = [Check("compile-sync", compile_check("sync"), ("float32",), 60, True),
                 Check("compile-async", compile_check("async"), ("float32",), 60, True),
-                Check("compile-back-to-back", back_to_back_check, ("float32",), 40, True),
-                Check("compile-new-prompts", new_prompts_check, ("float32",), 40, True)]
-    return [Check("environment", environment_check), *identity, *bf16, *full, *compiled]
+                Check("compile-back-to-back", back_to_back_check, ("float32",), 20, True),
+                Check("compile-new-prompts", new_prompts_check, ("float32",), 20, True)]
+    bf16 = [Check(f"identity-bfloat16-{mode}", identity_check("bfloat16", mode, BF16_TIE_TOLERANCE), ("bfloat16",), 10)
+            for mode in ("sync", "async")]
+    full = [Check("memory-server-8b", memory_check, ("8b",), 30, True), Check("overlap-8b", overlap_check, ("8b",), 15, True),
+            Check("timing-8b", timing_check, ("8b",), 40, True)]
+    return [Check("environment", environment_check), *identity, *compiled, *bf16, *full]
 
 
+DEFAULT_BUDGET_S = 300.0  # with the watchdog's minute, the whole run ends within 6 minutes (one H200)
 SMOKE_CHECKS = ("environment", "identity-float32-sync", "identity-float32-async", "identity-float32-cross-device")
 
 
@@ -203,7 +222,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="only the environment and float32 identity checks, with tiny shapes (runs on a CPU; with "
                              "--vllm: every vLLM check, tiny float32 models)")
     parser.add_argument("--budget-s", type=float, default=None,
-                        help="seconds for all checks (default 420; 600 with --vllm); a check that would start with "
+                        help="seconds for all checks (default 300; 600 with --vllm); a check that would start with "
                              "less than it needs is skipped")
     parser.add_argument("--only", default=None, help="comma-separated check names to run (default: all)")
     for name, help_text in SIZE_OPTIONS.items():
@@ -267,7 +286,7 @@ def require_cuda(smoke: bool, command: str = "gpu-check") -> None:
 def run(args: argparse.Namespace) -> int:
     """Returns 0 when no check failed or errored, 1 otherwise; raises ValueError (exit 2) without CUDA and --smoke."""
     require_cuda(args.smoke)
-    budget_s = budget_seconds(args.budget_s, 420.0)
+    budget_s = budget_seconds(args.budget_s, DEFAULT_BUDGET_S)
     shapes = replace(SMOKE_SHAPES if args.smoke else Shapes(), **size_overrides(args))
     checks = choose_checks(args.only, args.smoke)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
