@@ -62,5 +62,5 @@ def check_compiled_async(device, version: str | None = None) -> None:
                          "synchronously, or asynchronous=True without compile")
 
 
-__all__ = ["COMPILED_ASYNC_TORCH", "TORCH_RANGE", "TRANSFORMERS_RANGE", "check_compiled_async", "check_torch", "release",
-           "requirement", "supported"]
+__all__ = ["COMPILED_ASYNC_TORCH", "TORCH_RANGE", "TRANSFORMERS_RANGE", "check_compiled_async", "check_torch",
+           "release", "requirement", "supported"]

@@ -39,6 +39,7 @@ def test_smoke_run_writes_every_check_and_identity_passes(tmp_path):
     assert statuses["environment"] == "pass"
     assert statuses["identity-float32-sync"] == statuses["identity-float32-async"] == "pass"
     assert statuses["identity-float32-cross-device"] == "pass"  # on a CPU: the drafter on the CPU beside the target
+    assert statuses["overlap-8b"] == "measured"  # the worker thread's pass beside the verify pass (CUDA: streams)
     for check in report["checks"][1:4]:
         cases = check["details"]["cases"]
         assert [case["case"] for case in cases] == ["rows=1", "rows=1 +processors", "rows=3", "rows=3 +processors"]
