@@ -20,7 +20,8 @@ ROOT = Path(__file__).parents[1]
 
 
 def d3d(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    environment = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    paths = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])  # keeps a transformers there
+    environment = {**os.environ, "PYTHONPATH": paths, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True, timeout=300,
                           cwd=cwd, env=environment)
 
