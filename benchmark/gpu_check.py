@@ -1,21 +1,25 @@
-"""`d3d gpu-check`: the first thing to run on a GPU machine. Random weights only (nothing is downloaded); at most
-about 8 minutes on one H200; every check runs in its own try/except, so a failing check is recorded with its
-traceback summary and the others go on. Results go to `OUTPUT/gpu_check.json` and `OUTPUT/gpu_check.md`, rewritten
-after every check (a crash or the time-budget watchdog leaves what was done).
+"""`d3d gpu-check`: the first thing to run on a GPU machine. Random weights only (nothing is downloaded); within 6
+minutes on one H200 (a 300 s budget, then a watchdog's minute); every check runs in its own try/except, so a failing
+check is recorded with its traceback summary and the others go on. It prints first the torch and transformers it
+found and whether they are in the supported ranges (`modeling_d3d.versions_d3d`). Results go to
+`OUTPUT/gpu_check.json` and `OUTPUT/gpu_check.md`, rewritten after every check (a crash or the time-budget watchdog
+leaves what was done).
 
 Checks, in the order they run (see docs/gpu-check.md for what each one means):
 - environment: versions, devices, the inductor CUDA-graph and TF32 settings;
 - identity-float32-{sync,async,cross-device}: tokens against `target.generate` at Qwen3-8B width (2 target layers,
   1 drafter layer), batches of 1 and 3 ragged rows, with and without min_new_tokens / suppress_tokens /
   repetition_penalty; at a mismatch the reference's top-2 margin;
+- compile-{sync,async,back-to-back,new-prompts}: compile=True against eager on the same models, CUDA-graph skips
+  and recompiles counted from PyTorch's own counters and logs (compile-async before torch 2.13: the engine's
+  one-line refusal);
 - identity-bfloat16-{sync,async}: the same in bfloat16, each divergence with its margin (near-ties are expected);
-- timing-8b, overlap-8b: Qwen3-8B shape (36 layers, bf16) with a 31-layer drafter: measured engine rounds,
-  passes timed with CUDA events, and the round projected at the paper's tau 7.88 (labelled a projection);
-- memory-server-8b: a server-sized engine (8 rows x 4096) with both models, allocation against an estimate;
-- compile-{sync,async,back-to-back,new-prompts}: compile=True against eager, CUDA-graph skips and recompiles
-  counted from PyTorch's own counters and logs.
+- memory-server-8b, overlap-8b, timing-8b: Qwen3-8B shape (36 layers, bf16) with a 31-layer drafter: a
+  server-sized engine's allocation against an estimate; the successor pass beside the verify pass; measured engine
+  rounds, passes timed with CUDA events, and the round projected at the paper's tau 7.88 (labelled a projection).
 
-`--smoke` runs the environment and float32 identity checks with tiny shapes (a CPU is enough; a test runs it).
+`--smoke` runs the environment, float32 identity and overlap checks with tiny shapes (a CPU is enough: the
+cross-device drafter then stays beside the target, the overlap's worker shares the CPU; a test runs it).
 `--vllm` runs the vLLM checks instead (`benchmark.gpu_check_vllm`: vLLM alone against vLLM + D3D, in the vLLM
 environment named by `--vllm-python`), reported in `OUTPUT/gpu_check_vllm.json` and `.md`.
 """
@@ -32,6 +36,9 @@ from pathlib import Path
 
 import torch
 import transformers
+
+from modeling_d3d.versions_d3d import (COMPILED_ASYNC_TORCH, TORCH_RANGE, TRANSFORMERS_RANGE, release, requirement,
+                                       supported)
 
 from .gpu_check_identity import (BF16_TIE_TOLERANCE, MODES, back_to_back_check, compile_check, identity_check,
                                  new_prompts_check)
@@ -82,9 +89,23 @@ def run_check(check: Check, context: Context) -> CheckResult:
     return result
 
 
+def versions_line() -> str:
+    """The torch and transformers found, each against its supported range (`modeling_d3d.versions_d3d`)."""
+    versions = (("torch", torch.__version__, TORCH_RANGE),
+                ("transformers", transformers.__version__, TRANSFORMERS_RANGE))
+    found = [(name, version, bounds, supported(version, bounds)) for name, version, bounds in versions]
+    parts = [f"{name} {version} ({'in' if ok else 'NOT in'} the supported {requirement(name, bounds)})"
+             for name, version, bounds, ok in found]
+    if release(torch.__version__) < COMPILED_ASYNC_TORCH:
+        parts.append("compile-async expects the engine's refusal (compiled asynchronous drafting on CUDA needs "
+                     f"torch>={'.'.join(map(str, COMPILED_ASYNC_TORCH))})")
+    return "d3d gpu-check: " + "; ".join(parts)
+
+
 def environment_check(context: Context):
     details = {
         "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+        "versions": versions_line(),
         "cuda_runtime": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
         "device_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "check_device": str(context.device), "shapes": asdict(context.shapes),
@@ -107,20 +128,24 @@ def environment_check(context: Context):
     return "pass", f"torch {torch.__version__}, transformers {transformers.__version__}, {names}", details
 
 def all_checks() -> list[Check]:
-    identity = [Check(f"identity-float32-{mode}", identity_check("float32", mode), ("float32",), 10,
-                      needs_cuda=mode == "cross-device") for mode in MODES]
-    bf16 = [Check(f"identity-bfloat16-{mode}", identity_check("bfloat16", mode, BF16_TIE_TOLERANCE), ("bfloat16",), 10)
-            for mode in ("sync", "async")]
-    full = [Check("timing-8b", timing_check, ("8b",), 90, True), Check("overlap-8b", overlap_check, ("8b",), 30, True),
-            Check("memory-server-8b", memory_check, ("8b",), 40, True)]
+    """Every check, in the order it runs: the float32 checks (identity, then compile on the same models and
+    references), bfloat16 identity, then the 8B-shaped measurements; their `min_seconds` add up to `DEFAULT_BUDGET_S`
+    at most, so none is skipped for time when each takes what it needs."""
+    identity = [Check(f"identity-float32-{mode}", identity_check("float32", mode), ("float32",), 10) for mode in MODES]
     compiled = [Check("compile-sync", compile_check("sync"), ("float32",), 60, True),
                 Check("compile-async", compile_check("async"), ("float32",), 60, True),
-                Check("compile-back-to-back", back_to_back_check, ("float32",), 40, True),
-                Check("compile-new-prompts", new_prompts_check, ("float32",), 40, True)]
-    return [Check("environment", environment_check), *identity, *bf16, *full, *compiled]
+                Check("compile-back-to-back", back_to_back_check, ("float32",), 20, True),
+                Check("compile-new-prompts", new_prompts_check, ("float32",), 20, True)]
+    bf16 = [Check(f"identity-bfloat16-{mode}", identity_check("bfloat16", mode, BF16_TIE_TOLERANCE), ("bfloat16",), 10)
+            for mode in ("sync", "async")]
+    full = [Check("memory-server-8b", memory_check, ("8b",), 30, True), Check("overlap-8b", overlap_check, ("8b",), 15),
+            Check("timing-8b", timing_check, ("8b",), 40, True)]
+    return [Check("environment", environment_check), *identity, *compiled, *bf16, *full]
 
 
-SMOKE_CHECKS = ("environment", "identity-float32-sync", "identity-float32-async", "identity-float32-cross-device")
+DEFAULT_BUDGET_S = 300.0  # with the watchdog's minute, the whole run ends within 6 minutes (one H200)
+SMOKE_CHECKS = ("environment", "identity-float32-sync", "identity-float32-async", "identity-float32-cross-device",
+                "overlap-8b")
 
 
 def markdown(results: list[CheckResult], header: dict) -> str:
@@ -200,10 +225,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", default="gpu-check",
                         help="folder for gpu_check.json and gpu_check.md (with --vllm: gpu_check_vllm.json and .md)")
     parser.add_argument("--smoke", action="store_true",
-                        help="only the environment and float32 identity checks, with tiny shapes (runs on a CPU; with "
-                             "--vllm: every vLLM check, tiny float32 models)")
+                        help="only the environment, float32 identity and overlap checks, with tiny shapes (runs on a "
+                             "CPU; with --vllm: every vLLM check, tiny float32 models)")
     parser.add_argument("--budget-s", type=float, default=None,
-                        help="seconds for all checks (default 420; 600 with --vllm); a check that would start with "
+                        help="seconds for all checks (default 300; 600 with --vllm); a check that would start with "
                              "less than it needs is skipped")
     parser.add_argument("--only", default=None, help="comma-separated check names to run (default: all)")
     for name, help_text in SIZE_OPTIONS.items():
@@ -267,7 +292,7 @@ def require_cuda(smoke: bool, command: str = "gpu-check") -> None:
 def run(args: argparse.Namespace) -> int:
     """Returns 0 when no check failed or errored, 1 otherwise; raises ValueError (exit 2) without CUDA and --smoke."""
     require_cuda(args.smoke)
-    budget_s = budget_seconds(args.budget_s, 420.0)
+    budget_s = budget_seconds(args.budget_s, DEFAULT_BUDGET_S)
     shapes = replace(SMOKE_SHAPES if args.smoke else Shapes(), **size_overrides(args))
     checks = choose_checks(args.only, args.smoke)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from modeling_d3d.streams_d3d import synchronize
+from modeling_d3d.versions_d3d import check_compiled_async
 
 from .gpu_check_models import Context, Shapes, error_summary, forced_head, random_prompts, worst
 from .identity import NEAR_TIE
@@ -38,14 +39,15 @@ def reference(target, ids, mask, settings: dict) -> tuple[torch.Tensor, torch.Te
 
 
 def decode(target, drafter, ids, mask, settings: dict, mode: str, compile: bool = False) -> torch.Tensor:
-    """The engine through its front door; a drafter sent to the CPU comes back to the target's device."""
-    device = drafter.device
+    """The engine through its front door, the drafter placed on the mode's `drafter_device` for the call (the front
+    door checks where the drafter is, it never moves it) and put back after."""
+    home = drafter.device
+    drafter.to(MODES[mode].get("drafter_device", home))
     try:
         return drafter.generate_batch(target, ids, attention_mask=mask, do_sample=False, compile=compile,
                                       **MODES[mode], **settings).cpu()
     finally:
-        if drafter.device != device:
-            drafter.to(device)
+        drafter.to(home)
 
 
 def compare(reference_ids: torch.Tensor, scores: torch.Tensor, output: torch.Tensor, prompt_width: int,
@@ -317,10 +319,28 @@ def compile_verdict(calls: list[dict], cuda: bool, no_recompiles: bool) -> tuple
     return ("fail" if problems else "pass"), "; ".join(problems + [counts])
 
 
+def compiled_async_refusal(context: Context, reason: str):
+    """Where this torch cannot run compiled passes on the drafter's worker thread (`reason`: the refusal
+    `versions_d3d.check_compiled_async` words): the engine must refuse compile=True with asynchronous=True in that
+    one line, before anything compiles."""
+    try:
+        compiled_call(context, "async", list(context.shapes.prompt_lengths), seed=1)
+    except ValueError as error:
+        if str(error) == reason:
+            return "pass", f"refused as it must be on torch {torch.__version__}: {reason}", {"refusal": reason}
+        raise
+    return "fail", f"compile=True with asynchronous=True ran on torch {torch.__version__}; expected: {reason}", {}
+
+
 def compile_check(mode: str) -> Callable:
     def check(context: Context):
         if mode == "sync":  # the first compile check starts from nothing compiled
             torch._dynamo.reset()
+        if mode == "async":
+            try:
+                check_compiled_async(context.device)
+            except ValueError as refusal:
+                return compiled_async_refusal(context, str(refusal))
         call = compiled_call(context, mode, list(context.shapes.prompt_lengths), seed=1)
         status, summary = compile_verdict([call], context.device.type == "cuda", no_recompiles=False)
         return status, summary, {"mode": mode, "calls": [call]}

@@ -47,7 +47,8 @@ class Shapes:
 
 
 SMOKE_SHAPES = Shapes(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=512,
-                      prompt_lengths=(11, 5, 8), max_new_tokens=20)
+                      prompt_lengths=(11, 5, 8), max_new_tokens=20, full_target_layers=4, full_drafter_layers=3,
+                      prefix=64)
 
 
 def model_config(shapes: Shapes, layers: int, config_class=Qwen3Config, **extra):

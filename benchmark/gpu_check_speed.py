@@ -12,11 +12,11 @@ import torch
 from transformers import DynamicCache
 
 from modeling_d3d import speculative_generate
+from modeling_d3d.streams_d3d import Clock, Fence, handoff, seconds, side_stream, synchronize, use_stream
 
 from .gpu_check_identity import MODES
-from modeling_d3d.streams_d3d import synchronize
-
 from .gpu_check_models import PAPER_TAU, Context, Shapes, forced_head, random_prompts, release_memory
+
 
 class PassClock:
     """Milliseconds of the work between `start()` and `stop()`: CUDA events on the current stream on CUDA (the host
@@ -67,6 +67,11 @@ class PassTimer:
         self.cache = DynamicCache(config=model.config)
         with torch.no_grad():
             model(input_ids=prefix_ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What a pass reads: its inputs, mask and every layer's cached keys and values."""
+        cached = [t for layer in self.cache.layers for t in (layer.keys, layer.values) if t is not None]
+        return [self.ids, self.positions, self.mask, *cached]
 
     @torch.no_grad()
     def run(self) -> torch.Tensor:
@@ -220,6 +225,28 @@ def timing_check(context: Context):
     return "measured", summary, {"per_rows": results}
 
 
+def overlapped_ms(verify: PassTimer, successor: PassTimer, device: torch.device, worker: ThreadPoolExecutor,
+                  side) -> float:
+    """One verify pass on this thread's stream beside one successor pass submitted from `worker` on stream `side`, as
+    the engine does: ms from before both to after both. The successor's inputs and cache were made on this thread's
+    stream, so they are handed off to `side` (`record_stream`): else the allocator reuses their memory for the
+    verify pass while the side stream still reads them."""
+    clock = Clock(device)
+    begin, start = clock.mark(), Fence(device, "the overlap's start").record()
+
+    def on_side() -> Fence:
+        with use_stream(side):
+            start.wait()
+            handoff(successor.tensors(), side)
+            successor.run()
+            return Fence(device, "the successor pass").record()
+
+    pending = worker.submit(on_side)
+    verify.run()
+    pending.result(timeout=120).wait()
+    return 1e3 * seconds(begin, clock.mark())
+
+
 def overlap_check(context: Context):
     """The successor pass (C, F) submitted from a worker thread on its own stream, as the engine does, beside the
     verify pass on the default stream: overlap = (t_verify + t_successor - t_both) / min(t_verify, t_successor)."""
@@ -230,27 +257,9 @@ def overlap_check(context: Context):
     verify = PassTimer(target, shapes["verify"][1], device)
     successor = PassTimer(drafter, shapes["successor"][1], device)
     alone = {"verify_ms": verify.milliseconds(), "successor_ms": successor.milliseconds()}
-    side = torch.cuda.Stream(device)
-    both = []
+    side = side_stream(device)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpu-check-worker") as worker:
-        for i in range(10):
-            begin, side_done, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-            begin.record()
-
-            def on_side():
-                with torch.cuda.stream(side):
-                    side.wait_event(begin)
-                    successor.run()
-                    side_done.record(side)
-
-            pending = worker.submit(on_side)
-            verify.run()
-            pending.result(timeout=120)
-            torch.cuda.current_stream(device).wait_event(side_done)
-            end.record()
-            end.synchronize()
-            if i >= 2:
-                both.append(begin.elapsed_time(end))
+        both = [overlapped_ms(verify, successor, device, worker, side) for _ in range(10)][2:]
     together = statistics.median(both)
     overlap = (alone["verify_ms"] + alone["successor_ms"] - together) / min(alone.values())
     details = {"rows": rows, "coverage": s.coverage, "fanout": s.fanout, **{k: round(v, 3) for k, v in alone.items()},

@@ -23,6 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """First the versions found against the supported ranges (whatever follows), then the checks."""
+    print(gpu_check.versions_line(), flush=True)
     if not args.vllm:
         if args.vllm_python is not None or args.vllm_eager:
             raise ValueError(f"{'--vllm-python' if args.vllm_python is not None else '--vllm-eager'} goes with --vllm")

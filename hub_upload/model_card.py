@@ -6,6 +6,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from transformers import AutoConfig
 
 from benchmark.report import markdown
+from modeling_d3d.versions_d3d import TRANSFORMERS_RANGE, requirement
 from trainer.provenance import DrafterProvenance
 
 # Hub datasets behind the benchmark's prompt sets (pydoc prose ships with Python and has no Hub id).
@@ -129,7 +130,7 @@ output is exactly the target's.
 {training}
 ## Usage
 
-Requires `transformers>=5.23,<5.24` (the drafter's code ships with this repository: `trust_remote_code=True`).
+Requires `{requirement('transformers', TRANSFORMERS_RANGE)}` (the drafter's code ships with this repository: `trust_remote_code=True`).
 
 {USAGE.format(target=target, repo=repo)}
 

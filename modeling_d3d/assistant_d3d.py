@@ -32,6 +32,14 @@ def processors_device(logits_processor: LogitsProcessorList) -> torch.device | N
     return None
 
 
+def drafts_through_eos(drafts: list[int], eos_token_id) -> int:
+    """How many of `drafts` to propose: up to and including the first EOS (`eos_token_id`: an id, ids or None).
+    transformers' assisted loop stops only when the candidates end at an EOS, as an assistant model's own `generate`
+    ends them (before 5.23 it does not crop accepted tokens after an EOS inside the candidates)."""
+    stops = set() if eos_token_id is None else set(torch.as_tensor(eos_token_id).reshape(-1).tolist())
+    return next((i + 1 for i, token in enumerate(drafts) if token in stops), len(drafts))
+
+
 class AssistantSession:
     """What transformers' assisted loop holds in the assistant's `past_key_values` slot for one `generate` call. It
     reports no cached tokens, so transformers never crops it; the source keeps the drafter cache itself."""
@@ -102,6 +110,7 @@ class D3DAssistant:
         if proposal.errors:
             raise proposal.errors[0]
         keep = min(int(proposal.num_drafts[0]), kwargs.get("max_new_tokens") or proposal.drafts.shape[1])
+        keep = drafts_through_eos(proposal.drafts[0, :keep].tolist(), generation_config.eos_token_id)
         session.context, session.exposed = context, proposal.exposed_seconds
         session.hit, session.looked_up = proposal.hits[0], proposal.looked_up[0]
         session.drafts = proposal.drafts[0, :keep].tolist()
@@ -183,4 +192,5 @@ def block_assistant(drafter) -> D3DAssistant:
     return D3DAssistant(BlockSource(drafter))
 
 
-__all__ = ["AssistantSession", "D3DAssistant", "D3DAssistedGenerator", "block_assistant", "processors_device"]
+__all__ = ["AssistantSession", "D3DAssistant", "D3DAssistedGenerator", "block_assistant", "drafts_through_eos",
+           "processors_device"]

@@ -13,8 +13,9 @@ import inspect
 import torch
 from transformers import AutoModel
 
-# What `custom_generate/requirements.txt` asks for (transformers checks it before running this file).
-REQUIREMENTS = ("torch>=2.4", "transformers>=5.23")
+# What `custom_generate/requirements.txt` asks for (transformers checks it before running this file): the ranges of
+# `versions_d3d` (this file imports nothing of the project; a test keeps the two and setup.cfg equal).
+REQUIREMENTS = ("torch>=2.4", "transformers>=5.17,<5.24")
 # `generate` keyword arguments that say where to load the drafter from, not how to decode.
 LOADING_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "force_download", "proxies")
 

@@ -1,5 +1,6 @@
 """Tiny Qwen3 targets and D3D drafters built from configs (no downloads)."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -131,11 +132,13 @@ HIDE_PROJECT = textwrap.dedent(
 
 def run_without_project(code: str, *args: str, cwd, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run `code` in a fresh Python process in which this project cannot be imported (as a Hub user would), offline
-    unless `env` says otherwise (e.g. `HF_ENDPOINT` of a mock Hub)."""
+    unless `env` says otherwise (e.g. `HF_ENDPOINT` of a mock Hub); with this process's PYTHONPATH, where a run
+    under another transformers (`.ci/lowest_transformers`) puts it."""
+    paths = {"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}
     return subprocess.run(
         [sys.executable, "-c", HIDE_PROJECT + textwrap.dedent(code), *args],
         cwd=cwd,
-        env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HOME": str(cwd), **(env or {})},
+        env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HOME": str(cwd), **paths, **(env or {})},
         capture_output=True,
         text=True,
         timeout=300,

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from benchmark import gpu_check, gpu_check_identity
 from benchmark.gpu_check_models import SMOKE_SHAPES, Context, ModelCache
@@ -19,7 +20,8 @@ ROOT = Path(__file__).parents[1]
 
 
 def d3d(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    environment = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    paths = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])  # keeps a transformers there
+    environment = {**os.environ, "PYTHONPATH": paths, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True, timeout=300,
                           cwd=cwd, env=environment)
 
@@ -27,21 +29,46 @@ def d3d(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedP
 def test_smoke_run_writes_every_check_and_identity_passes(tmp_path):
     result = d3d("gpu-check", "--smoke", "--output", "tmp", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
+    in_range = [f"{name} {version} (in the supported {name}>=" for name, version in
+                (("torch", torch.__version__), ("transformers", transformers.__version__))]
+    first = result.stdout.splitlines()[0]
+    assert first.startswith("d3d gpu-check: ") and all(part in first for part in in_range), first
     report = json.loads((tmp_path / "tmp" / "gpu_check.json").read_text())
     statuses = {check["name"]: check["status"] for check in report["checks"]}
     assert list(statuses) == list(gpu_check.SMOKE_CHECKS)
     assert all(status in gpu_check.STATUSES for status in statuses.values())
     assert statuses["environment"] == "pass"
     assert statuses["identity-float32-sync"] == statuses["identity-float32-async"] == "pass"
-    expected = "pass" if torch.cuda.is_available() else "skipped"
-    assert statuses["identity-float32-cross-device"] == expected
-    for check in report["checks"][1:3]:
+    assert statuses["identity-float32-cross-device"] == "pass"  # on a CPU: the drafter on the CPU beside the target
+    assert statuses["overlap-8b"] == "measured"  # the worker thread's pass beside the verify pass (CUDA: streams)
+    for check in report["checks"][1:4]:
         cases = check["details"]["cases"]
         assert [case["case"] for case in cases] == ["rows=1", "rows=1 +processors", "rows=3", "rows=3 +processors"]
         accepted = {int(n) for case in cases for n in case["round_record"]["accepted"]}
         assert len(accepted) > 2  # rounds accepted different numbers of drafts, not only the target's token
     table = (tmp_path / "tmp" / "gpu_check.md").read_text()
     assert "| identity-float32-sync | pass |" in table
+
+
+def test_order_and_budget_run_every_check_within_six_minutes():
+    """The compile checks run on the float32 models right after the float32 identity checks, before the 8B ones (not
+    last, where a short budget skipped them), and every check's least time fits the default budget, which with the
+    watchdog's minute ends the run within 6 minutes."""
+    checks = gpu_check.all_checks()
+    names = [check.name for check in checks]
+    assert names[:8] == ["environment", "identity-float32-sync", "identity-float32-async",
+                         "identity-float32-cross-device", "compile-sync", "compile-async", "compile-back-to-back",
+                         "compile-new-prompts"]
+    assert sum(check.min_seconds for check in checks) <= gpu_check.DEFAULT_BUDGET_S <= 6 * 60 - 60
+
+
+def test_versions_line_says_what_is_outside_the_supported_ranges(monkeypatch):
+    monkeypatch.setattr(transformers, "__version__", "5.16.0")
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    assert gpu_check.versions_line() == (
+        "d3d gpu-check: torch 2.11.0+cu130 (in the supported torch>=2.4); transformers 5.16.0 (NOT in the supported "
+        "transformers>=5.17,<5.24); compile-async expects the engine's refusal (compiled asynchronous drafting on "
+        "CUDA needs torch>=2.13)")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")

@@ -16,6 +16,7 @@ from distribution import NEW_TOKENS, PROMPT, SAMPLES, SETTINGS, VOCAB, chi_squar
 from hub_upload.push import push_drafter
 from mock_hub import MockHub
 from modeling_d3d.hub_generate_d3d import REQUIREMENTS
+from modeling_d3d.versions_d3d import TORCH_RANGE, TRANSFORMERS_RANGE, requirement
 
 GREEDY = """
     import torch
@@ -133,9 +134,8 @@ def test_save_pretrained_writes_the_hub_front_door(tmp_path: Path):
     config = configparser.ConfigParser()
     config.read(Path(__file__).parents[1] / "setup.cfg")
     pins = config["options"]["install_requires"].split()
-    for requirement in requirements:  # the floors of the project's own pins
-        name, floor = requirement.split(">=")
-        assert any(pin.startswith(f"{name}>={floor}") for pin in pins), (requirement, pins)
+    ranges = [requirement("torch", TORCH_RANGE), requirement("transformers", TRANSFORMERS_RANGE)]
+    assert requirements == ranges and all(pin in pins for pin in ranges), (requirements, ranges, pins)
 
 
 def test_the_hub_call_is_the_target_own_generate_with_stops_a_streamer_and_eos(tmp_path: Path):

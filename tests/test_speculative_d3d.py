@@ -5,6 +5,7 @@ import itertools
 
 import pytest
 import torch
+from transformers import GenerationConfig, LogitsProcessorList
 
 from conftest import RecordingStreamer, always_predicts, tiny_target, word_tokenizer
 from modeling_d3d import D3DForBlockDiffusion
@@ -67,6 +68,21 @@ def test_eos_inside_a_block_stops_exactly_where_the_target_stops():
             assert torch.equal(reference, speculative)
             stopped_early += int(reference.shape[1] < prompt.shape[1] + 30)
     assert stopped_early > 0
+
+
+def test_drafts_end_at_the_first_eos_as_an_assistant_models_own_generate_ends_them():
+    """transformers' assisted loop before 5.23 stops only when the candidates end at the EOS (it does not crop
+    accepted tokens after one): the adapter proposes no draft after the first EOS."""
+    _, drafter = pair(0, 1, block_size=6)
+    always_predicts(drafter, 7)
+    config = GenerationConfig(eos_token_id=[9, 7], do_sample=False)
+    config.is_assistant = True
+    prompt = torch.tensor([[1, 2, 3]])
+    output = drafter.generate(prompt, generation_config=config, logits_processor=LogitsProcessorList())
+    assert output.sequences.tolist() == [[1, 2, 3, 7]] and len(output.scores) == 1
+    config.eos_token_id = None
+    output = drafter.generate(prompt, generation_config=config, logits_processor=LogitsProcessorList())
+    assert output.sequences.tolist() == [[1, 2, 3] + [7] * 5]
 
 
 def test_tau_is_block_size_when_drafter_always_agrees():

@@ -48,8 +48,10 @@ def test_plain_target_sampling_passes_the_same_test(models):
     assert chi_square_p_value(counts, expected, SAMPLES) > 1e-3
 
 
-def resample_from_p_instead_of_the_residual(candidate_input_ids, candidate_logits, candidate_length, new_logits, **_):
-    """A wrong acceptance rule: after a rejection it samples from p instead of norm(max(0, p - q))."""
+def resample_from_p_instead_of_the_residual(candidate_input_ids, candidate_logits, candidate_length, new_logits,
+                                            *_, **__):
+    """A wrong acceptance rule: after a rejection it samples from p instead of norm(max(0, p - q)). It takes what
+    else transformers passes (5.17: `is_done_candidate` positionally) and ignores it."""
     drafts = candidate_input_ids[0, -candidate_length:]
     positions = torch.arange(candidate_length)
     q = candidate_logits[0].softmax(-1)[positions, drafts]
