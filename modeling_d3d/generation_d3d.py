@@ -15,6 +15,7 @@ from .inputs_d3d import check_prompts
 from .passes_d3d import compiled_passes
 from .settings_d3d import eos_ids, row_settings
 from .policy_d3d import make_chooser
+from .versions_d3d import check_compiled_async
 from .shapes_d3d import engine_size
 from .sources_d3d import BlockSource, check_device
 from .successor_d3d import DEFAULT_FANOUT, SuccessorSource
@@ -44,6 +45,8 @@ def make_source(drafter, asynchronous: bool, coverage, fanout, drafter_device, w
             raise ValueError("asynchronous=True needs drafter=<a D3DForBlockDiffusion>")
         return None
     check_device(drafter, drafter_device)
+    if compile and asynchronous:
+        check_compiled_async(drafter.get_input_embeddings().weight.device)
     passes = compiled_passes(drafter) if compile else None
     if asynchronous:
         return SuccessorSource(drafter, coverage, fanout, worker_threads=worker_threads, passes=passes)

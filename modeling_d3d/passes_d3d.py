@@ -18,6 +18,9 @@ from .caches_d3d import CachePool, StaticKVCache
 from .masking_d3d import interval_mask
 from .shapes_d3d import fixed_by_default
 from .streams_d3d import move, upload
+from .versions_d3d import check_torch
+
+check_torch()  # the compiled path's torch (an ImportError naming the supported range)
 
 
 @dataclass

@@ -95,7 +95,7 @@ def check_device(drafter, device) -> None:
     if device is None:
         return
     wanted, actual = torch.device(device), drafter.get_input_embeddings().weight.device
-    if wanted.type != actual.type or (wanted.index is not None and wanted.index != actual.index):
+    if wanted.type != actual.type or (wanted.index is not None and wanted.index != (actual.index or 0)):
         raise ValueError(f"The drafter is on {actual}, not {wanted}: move it there first (drafter.to({str(wanted)!r})); "
                          "D3D does not move a model it is given")
 

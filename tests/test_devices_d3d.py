@@ -291,3 +291,12 @@ def test_a_large_device_to_host_move_is_read_whole_at_once():
     torch.cuda._sleep(10_000_000)  # the copy queues behind this on the stream
     host = streams_d3d.move(values, torch.device("cpu"))
     assert host[-1].item() == 3 * ((1 << 24) - 1)
+
+
+def test_a_drafter_on_the_cpu_is_where_cpu_0_says():
+    """A CPU tensor's device has no index; "cpu:0" names the same device (refused before: index 0 != None)."""
+    drafter = D3DForBlockDiffusion.from_backbone(tiny_target(0, vocab_size=16), block_size=4).eval()
+    sources_d3d.check_device(drafter, "cpu:0")
+    sources_d3d.check_device(drafter, torch.device("cpu"))
+    with pytest.raises(ValueError, match="not cuda"):
+        sources_d3d.check_device(drafter, "cuda:1")
