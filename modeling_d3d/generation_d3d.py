@@ -62,7 +62,7 @@ def build_engine(model, source, rows: int, max_length: int, compile: bool = Fals
         rows, max_length = engine_size(rows, max_length, compiled_passes(model).fixed_shapes)
     try:
         lookup, policy = make_chooser(lookup, policy, source.block_size if source is not None else None,
-                                      source.drafter if source is not None else model)
+                                      source.drafter if source is not None else model, compile)
         return SpeculativeEngine(model, source, max_rows=rows, max_length=max_length, compile=compile, lookup=lookup,
                                  policy=policy)
     except BaseException:

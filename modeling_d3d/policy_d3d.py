@@ -143,23 +143,21 @@ class VerifyPolicy:
 DEFAULT_BLOCK_SIZE = 16  # the verify width of prompt lookup without a drafter
 
 
-def policy_for(model, block_size: int) -> VerifyPolicy:
-    """The `VerifyPolicy` kept on `model` (the drafter, else the target) as `model.d3d_verify_policy`, made on first
-    use: what it measured and learnt serves the next call. Keys of rows are the engine's own objects, so engines
-    sharing it do not mix their rows."""
-    policy = getattr(model, "d3d_verify_policy", None)
-    if not isinstance(policy, VerifyPolicy) or policy.block_size != block_size:
-        policy = VerifyPolicy(block_size)
-        model.d3d_verify_policy = policy
-    return policy
+def policy_for(model, block_size: int, compiled: bool) -> VerifyPolicy:
+    """The `VerifyPolicy` kept on `model` (the drafter, else the target) in `model.d3d_verify_policies`, one per block
+    size and mode (compiled passes cost other seconds than eager ones), made on first use: what it measured and learnt
+    serves the next call. Keys of rows are the engine's own objects, so engines sharing it do not mix their rows."""
+    policies = model.__dict__.setdefault("d3d_verify_policies", {})
+    return policies.setdefault((block_size, compiled), VerifyPolicy(block_size))
 
 
-def make_chooser(lookup, policy, block_size: int | None, holder=None) -> tuple[LookupSource | None, "VerifyPolicy | None"]:
+def make_chooser(lookup, policy, block_size: int | None, holder=None,
+                 compiled: bool = False) -> tuple[LookupSource | None, "VerifyPolicy | None"]:
     """The front doors' settings as engine parts. lookup: False, True (up to `B - 1` drafts a round) or an integer
     (at most that many); policy: False (the drafter's block every round, the paper's rule), True (a `VerifyPolicy`),
     a `VerifyPolicy`, or None (on with lookup, else off). Lookup needs the policy (it decides when a lookup is worth verifying). block_size: the
     drafter's (None: no drafter, `DEFAULT_BLOCK_SIZE`); holder: the model that keeps a policy made here across calls
-    (`policy_for`; None: a new one). Raises `ValueError` for settings of the wrong kind."""
+    (`policy_for`, per mode: `compiled`; None: a new one). Raises `ValueError` for settings of the wrong kind."""
     block_size = block_size or DEFAULT_BLOCK_SIZE
     if policy is not None and not isinstance(policy, (bool, VerifyPolicy)):
         raise ValueError(f"policy must be True, False or a VerifyPolicy, got {policy!r}")
@@ -177,7 +175,7 @@ def make_chooser(lookup, policy, block_size: int | None, holder=None) -> tuple[L
         return source, policy
     if not (policy if policy is not None else source is not None):
         return source, None
-    return source, policy_for(holder, block_size) if holder is not None else VerifyPolicy(block_size)
+    return source, policy_for(holder, block_size, compiled) if holder is not None else VerifyPolicy(block_size)
 
 
 def apply_plan(plan: RoundPlan, proposal: Proposal | None, lookups: list[list[int]], vocab_size: int,

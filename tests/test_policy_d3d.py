@@ -162,3 +162,15 @@ def test_a_plan_that_peeks_at_the_verification_fails_the_test(sampling_models):
     counts, engine = sampled_counts(target, drafter, "peeking")
     assert engine.record.verified[LOOKUP] > 0
     assert chi_square_p_value(counts, expected, SAMPLES) < 1e-6
+
+
+def test_a_policy_is_kept_on_its_model_per_block_size_and_mode():
+    """What a policy learns serves the next call of the same model and mode, never a compiled call's costs an eager
+    call's."""
+    drafter = D3DForBlockDiffusion.from_backbone(tiny_target(0, vocab_size=16), block_size=4).eval()
+    _, eager = make_chooser(False, True, 4, drafter)
+    _, again = make_chooser(True, None, 4, drafter)
+    _, compiled = make_chooser(False, True, 4, drafter, compiled=True)
+    assert eager is again and compiled is not eager
+    assert make_chooser(False, True, 4)[1] is not eager  # no holder: a new one
+    assert make_chooser(False, None, 4, drafter) == (None, None)
