@@ -73,15 +73,21 @@ def test_the_policy_takes_the_lookup_where_it_keeps_more_and_skips_the_drafter_w
     assert plan_of(policy, [[]]) == [NOTHING]  # no continuation: the block's 1.2 tokens are not worth 2 s
 
 
-def test_a_row_that_skipped_the_drafter_for_probe_every_rounds_verifies_its_block_again():
+def test_a_row_that_skipped_the_drafter_verifies_its_block_again_less_often_while_probes_keep_nothing():
     policy = VerifyPolicy(16, probe_every=3, costs={"narrow": 1.0, "wide": 1.0, "drafter": 5.0})
     policy.row(0).block = 0.0
     choices = []
-    for _ in range(8):
+    for _ in range(11):
         plan = policy.plan([0], [[]], True)
         policy.observe([0], plan, [0], 1.0, 5.0)
-        choices.append(plan.choices[0])
-    assert choices == [NOTHING, NOTHING, NOTHING, BLOCK, NOTHING, NOTHING, NOTHING, BLOCK]
+        choices.append(plan.choices[0][0])
+    # probes after 3, then 6 skipped rounds (each kept nothing: the interval doubles), then 12; one that keeps
+    # drafts brings it back to 3 (and the block's estimate up: it is verified again at once)
+    assert "".join(choices) == "nnnbnnnnnnb" and policy.interval == 12
+    policy.row(0).since_block = 12
+    plan = policy.plan([0], [[]], True)
+    policy.observe([0], plan, [2], 1.0, 5.0)
+    assert plan.choices == [BLOCK] and policy.interval == 3
 
 
 def test_costs_not_measured_yet_are_taken_as_the_cheapest_they_can_be():
