@@ -89,11 +89,11 @@ class EngineModules(NamedTuple):
 
 
 def engine_modules(drafter) -> EngineModules:
-    """The drafter's own `engine_d3d`, `sources_d3d`, `settings_d3d` and `threads_d3d` modules (its remote code when
+    """The drafter's own `engine_d3d`, `successor_d3d` (as `sources`), `settings_d3d` and `threads_d3d` modules (its remote code when
     loaded from the Hub)."""
     package = type(drafter).__module__.rpartition(".")[0]
     engine, sources, settings = (importlib.import_module(f"{package}.{name}_d3d")
-                                 for name in ("engine", "sources", "settings"))
+                                 for name in ("engine", "successor", "settings"))
     found = importlib.util.find_spec(f"{package}.threads_d3d") is not None
     return EngineModules(engine, sources, settings, importlib.import_module(f"{package}.threads_d3d") if found else None)
 
