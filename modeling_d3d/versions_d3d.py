@@ -12,8 +12,6 @@ library only: this module ships to the Hub with the model code.
   `get_obj` asserts when a graph is called from another thread than the one that imported the module).
 """
 
-import re
-
 import torch
 
 TORCH_RANGE = ((2, 4), None)
@@ -23,10 +21,11 @@ COMPILED_ASYNC_TORCH = (2, 13)
 
 def release(version: str) -> tuple[int, int]:
     """(major, minor) of a version string: "2.11.0+cu130" -> (2, 11); ValueError if it has no such prefix."""
-    match = re.match(r"(\d+)\.(\d+)", version)
-    if match is None:
+    major, _, rest = version.partition(".")
+    minor = rest[: len(rest) - len(rest.lstrip("0123456789"))]
+    if not major.isdigit() or not minor:
         raise ValueError(f"not a version: {version!r}")
-    return int(match.group(1)), int(match.group(2))
+    return int(major), int(minor)
 
 
 def requirement(name: str, bounds: tuple) -> str:

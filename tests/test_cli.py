@@ -73,7 +73,7 @@ def test_a_missing_drafter_folder_is_one_line_and_exit_2(tmp_path):
 def test_bad_prompts_fail_before_any_model_loads(tmp_path):
     result = d3d("bench", "--target", "no/such-target", "--drafter", "no/such-drafter", "--prompts", "humaneval,missing.jsonl",
                  cwd=tmp_path)
-    assert_one_line_error(result, "bench", "'missing.jsonl' is neither humaneval, pydoc nor a file")
+    assert_one_line_error(result, "bench", "'missing.jsonl' is neither humaneval, pydoc, repetitive nor a file")
     result = d3d("bench", "--target", "org/t", "--drafter", "org/d", "--concurrency", "1,4", "--async-budget", "4x1.5", cwd=tmp_path)
     assert_one_line_error(result, "bench", "'4x1.5' is not a list of CxF budgets")
 
