@@ -46,6 +46,11 @@ class StaticKVCache:
         self._first_row, self._kv_length = 0, None
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of its key and value buffers."""
+        return sum(buffer.nbytes for buffer in self.keys + self.values)
+
+    @property
     def committed(self) -> tuple[int, ...]:
         """Per slot, how many of its first columns hold its tokens (read-only: `commit` changes one)."""
         return tuple(self._committed)
@@ -111,21 +116,41 @@ def cache_key(config, slots: int, capacity: int, device, dtype: torch.dtype) -> 
 class CachePool:
     """Caches kept for reuse across engines (compiled passes: a CUDA graph captured a cache's buffers, so the next
     engine of the same slots and size gets the same buffers and replays it). `take` hands a cache out exclusively
-    (a free one of that key, else a new one); `put` returns it. Not thread-safe: one engine is built at a time."""
+    (the most recently returned free one of that key, else a new one); `put` returns it. The free caches are
+    bounded: least recently returned first, they are dropped while their bytes exceed `max_bytes` (None: twice the
+    largest cache handed out, so a server alternating between a few shapes keeps them, and one that sees ever new
+    shapes holds at most that much besides the caches in use). Not thread-safe: one engine is built at a time."""
 
-    def __init__(self):
-        self.free: dict[tuple, list[StaticKVCache]] = {}
+    def __init__(self, max_bytes: int | None = None):
+        self.max_bytes = max_bytes
+        self.free: dict[tuple, list[StaticKVCache]] = {}  # key -> free caches; keys in the order last returned
+        self.largest = 0  # bytes of the largest cache handed out
 
     def take(self, config, slots: int, capacity: int, device, dtype: torch.dtype) -> StaticKVCache:
-        free = self.free.get(cache_key(config, slots, capacity, device, dtype))
-        if not free:
-            return StaticKVCache(config, slots, capacity, device, dtype)
-        cache = free.pop()
-        cache.reset()
+        key = cache_key(config, slots, capacity, device, dtype)
+        free = self.free.get(key)
+        if free:
+            cache = free.pop()
+            if not free:
+                del self.free[key]
+            cache.reset()
+        else:
+            cache = StaticKVCache(config, slots, capacity, device, dtype)
+        self.largest = max(self.largest, cache.nbytes)
         return cache
 
     def put(self, cache: StaticKVCache) -> None:
-        self.free.setdefault(cache.key, []).append(cache)
+        self.free[cache.key] = self.free.pop(cache.key, []) + [cache]
+        ceiling = 2 * self.largest if self.max_bytes is None else self.max_bytes
+        while self.free_bytes() > ceiling:
+            oldest = next(iter(self.free))
+            self.free[oldest].pop(0)
+            if not self.free[oldest]:
+                del self.free[oldest]
+
+    def free_bytes(self) -> int:
+        """Bytes the free caches hold."""
+        return sum(cache.nbytes for caches in self.free.values() for cache in caches)
 
 
 __all__ = ["CachePool", "StaticKVCache", "cache_key"]

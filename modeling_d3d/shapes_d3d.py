@@ -9,6 +9,7 @@ counts are dynamic dimensions and passes are only as wide as their rows need.
 import torch
 
 COMPILE_LENGTH_BUCKET = 256  # cache lengths of fixed-shape engines are multiples of this (one graph per bucket)
+DYNAMIC_LENGTH_BUCKET = 64  # cache lengths of other compiled engines are multiples of this (pooled caches reused)
 
 
 def fixed_by_default(device: torch.device | str) -> bool:
@@ -20,9 +21,11 @@ def engine_size(rows: int, max_length: int, fixed: bool) -> tuple[int, int]:
     """Slots and length of an engine with compiled passes: at least 2 slots (PyTorch specialises a dimension of
     size 1, so a one-slot cache would compile once more); with fixed shapes (CUDA graphs attend over the whole cache
     and every slot) slots rounded up to a power of two and the length to a multiple of `COMPILE_LENGTH_BUCKET`, so
-    calls of other batch sizes and prompt lengths replay a recorded graph (one per bucket pair)."""
+    calls of other batch sizes and prompt lengths replay a recorded graph (one per bucket pair); otherwise (dynamic
+    dimensions, nothing recompiles) the length rounded up to a multiple of `DYNAMIC_LENGTH_BUCKET`, so that calls of
+    nearby lengths reuse one pooled cache instead of each keeping its own (`caches_d3d.CachePool`)."""
     if not fixed:
-        return max(rows, 2), max_length
+        return max(rows, 2), -(-max_length // DYNAMIC_LENGTH_BUCKET) * DYNAMIC_LENGTH_BUCKET
     return max(1 << (rows - 1).bit_length(), 2), -(-max_length // COMPILE_LENGTH_BUCKET) * COMPILE_LENGTH_BUCKET
 
 
@@ -51,5 +54,5 @@ def successor_scratch_columns(block_size: int, max_blocks: int) -> int:
     return (max_blocks + 3) * block_size
 
 
-__all__ = ["COMPILE_LENGTH_BUCKET", "block_causal_width", "block_scratch_columns", "engine_size", "fixed_by_default",
+__all__ = ["COMPILE_LENGTH_BUCKET", "DYNAMIC_LENGTH_BUCKET", "block_causal_width", "block_scratch_columns", "engine_size", "fixed_by_default",
            "successor_causal_width", "successor_scratch_columns"]

@@ -259,3 +259,39 @@ def test_calls_in_and_out_of_inference_mode_stay_lossless_with_pooled_caches(asy
     finally:
         for model in held:
             release_compiled_passes(model)
+
+
+def test_the_cache_pool_stays_bounded_over_many_prompt_lengths_and_reuses_nearby_ones():
+    """300 calls with ever new prompt lengths and batch sizes through the dynamic-shape (CPU) compiled path, eager:
+    the caches the pools keep stay within their ceiling (twice the largest cache handed out), where a pool keyed by
+    each exact length would keep one more cache per call; calls whose lengths fall in one bucket share one cache."""
+    target, drafter = pair(4)
+    held = {model: CompiledPasses(model, compile=False) for model in (target, drafter)}
+    for model, passes in held.items():
+        model.d3d_compiled_passes = passes
+    try:
+        lengths = torch.randperm(300, generator=torch.Generator().manual_seed(0)) + 1
+        for call, length in enumerate(lengths.tolist()):
+            ids, mask = prompts([length] + [1 + length // 2] * (call % 3), call)
+            output = target.generate(ids, attention_mask=mask, custom_generate=speculative_generate, drafter=drafter,
+                                     compile=True, max_new_tokens=2, do_sample=False)
+            if call % 50 == 0:
+                assert torch.equal(output, target.generate(ids, attention_mask=mask, max_new_tokens=2,
+                                                           do_sample=False))
+            for passes in held.values():
+                assert 0 < passes.caches.free_bytes() <= 2 * passes.caches.largest, call
+        assert all(sum(map(len, passes.caches.free.values())) < 20 for passes in held.values())
+
+        def first_buffer() -> int:
+            (cache,) = held[target].caches.free[next(reversed(held[target].caches.free))][-1:]
+            return cache.keys[0].data_ptr()
+
+        ids, mask = prompts([3], 0)
+        target.generate(ids, attention_mask=mask, custom_generate=speculative_generate, compile=True, max_new_tokens=2)
+        buffer = first_buffer()
+        ids, mask = prompts([9], 1)  # 9 + 2 and 3 + 2 fall in one bucket
+        target.generate(ids, attention_mask=mask, custom_generate=speculative_generate, compile=True, max_new_tokens=2)
+        assert first_buffer() == buffer
+    finally:
+        for model in held:
+            release_compiled_passes(model)
