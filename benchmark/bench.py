@@ -4,7 +4,8 @@ Methods: the target's own `generate` (the 1.0x reference); the target alone thro
 (its loop overhead, and the compiled baseline); Hugging Face assisted generation with an AR assistant; prompt
 lookup (transformers' loop, the ecosystem's reference, and the engine's own `lookup=True`, no drafter); D3D
 synchronous through the engine, eager and compiled; the hybrid (D3D + the engine's lookup, one chooser per row:
-`policy_d3d`) and D3D with the verify policy alone; D3D asynchronous through the engine at the default
+`policy_d3d`) and D3D with the verify policy alone; for sampled runs D3D sync with token-wise verification too
+(the engine's default is block verification); D3D asynchronous through the engine at the default
 (C, F) and at the best (C, F) of a sweep measured first on a few prompts (the best also compiled); D3D through
 `assistant_model=drafter` (transformers' assisted loop driving the engine's source: what that path costs). Every
 method is warmed up first (for compiled methods this first call is the compile time, reported) and every output is
@@ -62,7 +63,7 @@ def compile_modes(choice: str, device: torch.device) -> list[bool]:
 def engine_kwargs(drafter=None, compiled: bool = False, coverage: int | None = None, fanout: int | None = None,
                   **chooser) -> dict:
     """`generate` arguments of the engine: the target alone (`drafter=None`), D3D sync, or async at (C, F);
-    `chooser`: `lookup=`, `policy=` (`policy_d3d.make_chooser`)."""
+    `chooser`: `lookup=`, `policy=` (`policy_d3d.make_chooser`), `verification=`."""
     kwargs = {"custom_generate": speculative_generate, "drafter": drafter, "compile": compiled, **chooser}
     if coverage is not None:
         kwargs.update(asynchronous=True, coverage=coverage, fanout=fanout)
@@ -73,8 +74,10 @@ def suffix(compiled: bool) -> str:
     return ", compiled" if compiled else ""
 
 
-def build_methods(drafter, assistant, default: tuple[int, int], best: tuple[int, int], modes: list[bool]) -> list[Method]:
-    """The comparison's methods, plain `generate` first."""
+def build_methods(drafter, assistant, default: tuple[int, int], best: tuple[int, int], modes: list[bool],
+                  sampled: bool = False) -> list[Method]:
+    """The comparison's methods, plain `generate` first; sampled: D3D sync with token-wise verification too (the
+    engine's default for sampled rows is block verification)."""
     methods = [Method("target generate", baseline=True)]
     methods += [Method(f"target alone, engine{suffix(c)}", engine_kwargs(compiled=c), baseline=True, compiled=c)
                 for c in modes]
@@ -83,6 +86,9 @@ def build_methods(drafter, assistant, default: tuple[int, int], best: tuple[int,
     methods.append(Method(f"prompt lookup ({PROMPT_LOOKUP_TOKENS})", {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}))
     methods += [Method(f"lookup, engine{suffix(c)}", engine_kwargs(None, c, lookup=True), compiled=c) for c in modes]
     methods += [Method(f"D3D sync{suffix(c)}", engine_kwargs(drafter, c), drafting="sync", compiled=c) for c in modes]
+    if sampled:
+        methods.append(Method("D3D sync, token-wise verification", engine_kwargs(drafter, False, verification="token"),
+                              drafting="sync"))
     methods.append(Method("D3D sync, policy", engine_kwargs(drafter, False, policy=True), drafting="sync"))
     methods += [Method(f"D3D + lookup (hybrid){suffix(c)}", engine_kwargs(drafter, c, lookup=True), drafting="sync",
                        compiled=c) for c in modes]
@@ -92,6 +98,11 @@ def build_methods(drafter, assistant, default: tuple[int, int], best: tuple[int,
                        drafting="async", compiled=c) for c in modes]
     methods.append(Method("D3D sync, assistant_model=drafter", {"assistant_model": drafter}, drafting="sync"))
     return methods
+
+
+def select(methods: list[Method], names: list[str] | None) -> list[Method]:
+    """The baselines and the methods whose names contain one of `names` (None: every method)."""
+    return [m for m in methods if names is None or m.baseline or any(name in m.name for name in names)]
 
 
 def sweep_budgets(target, drafter, prompts, max_new_tokens: int, grid: list[tuple[int, int]],
@@ -219,16 +230,21 @@ def benchmark(
     sweep_prompts: int = 4,
     compile: str = "auto",
     sampling: dict | None = None,
+    methods_named: list[str] | None = None,
 ) -> dict:
     """Run the whole comparison, greedy or with `sampling` (`generate`'s `do_sample`, `temperature`, `top_p`,
-    `top_k`); returns everything `bench.json` holds."""
+    `top_k`); methods_named: only the methods whose names contain one of these (the target-alone baselines always
+    run; the async sweep only when an async method is kept). Returns everything `bench.json` holds."""
     modes = compile_modes(compile, target.device)
     block_size = drafter.config.block_size
     default = (min(DEFAULT_COVERAGE, block_size), DEFAULT_FANOUT)
     grid = sweep_grid or sorted({default, (1, 0), (2, 1), (4, 1), (max(block_size // 2, 1), 1)})
+    sweeping = any("async" in m.name for m in select(build_methods(drafter, assistant, default, default, modes,
+                                                                   bool(sampling)), methods_named))
     first_set = next(iter(prompt_sets.values()))
-    sweep = sweep_budgets(target, drafter, first_set[:sweep_prompts], max_new_tokens, grid, sampling)
-    best_row = max(sweep, key=lambda row: row["tokens_per_second"])
+    sweep = sweep_budgets(target, drafter, first_set[:sweep_prompts], max_new_tokens, grid, sampling) if sweeping else []
+    best_row = max(sweep, key=lambda row: row["tokens_per_second"], default={"coverage": default[0],
+                                                                              "fanout": default[1]})
     best = (best_row["coverage"], best_row["fanout"])
     passes = measure_passes(target, drafter, modes)
     results = {"hardware": hardware(target.device, drafter.device), "max_new_tokens": max_new_tokens,
@@ -236,7 +252,7 @@ def benchmark(
                "block_size": block_size, "compile": compile, "modes": ["compiled" if c else "eager" for c in modes],
                "pass_prefix_length": PASS_PREFIX_LENGTH, "passes": passes, "sweep": sweep,
                "best_budget": {"coverage": best[0], "fanout": best[1]}, "sampling": sampling, "prompt_sets": {}}
-    methods = build_methods(drafter, assistant, default, best, modes)
+    methods = select(build_methods(drafter, assistant, default, best, modes, sampled=bool(sampling)), methods_named)
     for name, prompts in prompt_sets.items():
         runs, warmups = run_methods(target, methods, prompts, max_new_tokens, sampling)
         rows = summarize(methods, runs, warmups, passes)
@@ -251,5 +267,5 @@ def benchmark(
     return results
 
 
-__all__ = ["COMPILE_CHOICES", "Method", "benchmark", "build_methods", "compile_modes", "ideal_bounds",
+__all__ = ["COMPILE_CHOICES", "Method", "benchmark", "build_methods", "compile_modes", "ideal_bounds", "select",
            "round_split", "run_methods", "summarize", "sweep_budgets"]

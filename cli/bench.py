@@ -11,7 +11,7 @@ import torch
 from transformers import AutoConfig, GenerationConfig
 
 from benchmark import concurrency, report, vllm_bench
-from benchmark.bench import COMPILE_CHOICES, benchmark
+from benchmark.bench import COMPILE_CHOICES, benchmark, build_methods
 from benchmark.prompts import encode_prompt
 from modeling_d3d import D3DForBlockDiffusion
 
@@ -80,6 +80,11 @@ def sampling_settings(args: argparse.Namespace) -> dict | None:
 def check_arguments(args: argparse.Namespace) -> dict[str, list[str]]:
     """Check the cheap inputs before any model loads; returns the prompt texts by set name."""
     parse_grid(args.sweep)
+    if args.methods is not None:
+        names = [m.name for m in build_methods(None, "assistant", (1, 1), (1, 1), [False, True], sampled=True)]
+        unknown = [part for part in args.methods.split(",") if not part or not any(part in n for n in names)]
+        if unknown:
+            raise ValueError(f"--methods {unknown[0]!r} is part of no method's name; the methods: {'; '.join(names)}")
     if sampling_settings(args) and (args.concurrency or args.engine == "vllm"):
         raise ValueError("sampled decoding is measured in the method comparison, not with --concurrency yet")
     if args.concurrency:
@@ -110,6 +115,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="generation-config: sample as the target's own generation_config.json says")
     parser.add_argument("--num-prompts", type=positive_int, default=40, help="first N prompts of each set")
     parser.add_argument("--max-new-tokens", type=positive_int, default=128)
+    parser.add_argument("--methods", default=None,
+                        help="comma-separated parts of method names to measure, e.g. 'D3D sync,lookup' (the target "
+                             "alone always runs); default: every method")
     parser.add_argument("--sweep", default=None, help="(C, F) grid for the async sweep, e.g. 4x2,8x1,12x2")
     parser.add_argument("--compile", choices=COMPILE_CHOICES, default="auto",
                         help="also measure the engine with its compiled verify pass: both (eager and compiled), none "
@@ -147,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
         return run_concurrency(target, drafter, sets, args, choice)
     results = {"dtype": choice.description,
                **benchmark(target, drafter, sets, args.max_new_tokens, assistant, parse_grid(args.sweep),
-                          compile=args.compile, sampling=sampling_settings(args))}
+                          compile=args.compile, sampling=sampling_settings(args),
+                          methods_named=args.methods.split(",") if args.methods else None)}
     table = report.write(results, Path(args.output)) if args.output else report.markdown(results)
     print(table)
     lossless = all(row["lossless"] or row["divergences"] == 0  # near-ties of a low-precision run do not fail

@@ -112,26 +112,71 @@ def rejection_sample(drafts: torch.Tensor, num_drafts: torch.Tensor, draft_logit
     """Leviathan et al.: accept draft j with probability min(1, p/q); at the first rejection sample from
     norm(max(0, p - q)); after every real draft is accepted, sample the bonus token from p. One generator per row
     (None: the global one). The tokens are distributed exactly as the target's processed p."""
+    p, q, p_draft, q_draft = _draft_probabilities(drafts, draft_logits, target_logits)
+    draws = _uniforms(drafts, generators, p.device)
+    real = torch.arange(drafts.shape[1], device=p.device) < num_drafts[:, None]
+    accepted = ((draws * q_draft < p_draft) & real).long().cumprod(1).sum(1)  # u < p/q: never a token p excludes
+    return accepted, _finish(drafts, num_drafts, accepted, p, q, p.new_ones(drafts.shape[0], 1), generators)
+
+
+def block_verify(drafts: torch.Tensor, num_drafts: torch.Tensor, draft_logits: torch.Tensor,
+                 target_logits: torch.Tensor, generators: list[torch.Generator | None]):
+    """Block verification (Sun et al., "Block Verification Accelerates Speculative Decoding", 2024): the drafts are
+    judged jointly, so a later draft that p likes more than q can make up for an earlier one it liked less. With
+    `a_0 = 1`, `a_i = min(1, a_{i-1} p_i(y_i) / q_i(y_i))` and the mass `R_i = sum max(0, a_i p_{i+1} - q_{i+1})`,
+    prefix `i < n` passes with probability `R_i / (R_i + 1 - a_i)` (1 when that is 0/0), prefix `n` with `a_n`, each
+    on its own uniform draw; the longest passing prefix `tau` is kept, then a token from `norm(max(0, a_tau p - q))`
+    at position `tau` (from p after all `n` drafts). Same inputs and outputs as `rejection_sample`; the tokens are
+    distributed exactly as the target's processed p, and the expected number kept is never smaller."""
+    p, q, p_draft, q_draft = _draft_probabilities(drafts, draft_logits, target_logits)
     rows, m = drafts.shape
-    device = target_logits.device
+    scale = [torch.ones(rows, device=p.device, dtype=p.dtype)]  # a_0 .. a_m
+    for j in range(m):
+        scale.append(torch.minimum(scale[-1] * p_draft[:, j] / q_draft[:, j].clamp(min=1e-30), torch.ones_like(scale[-1])))
+    scale = torch.stack(scale, dim=1)  # (rows, m + 1)
+    mass = (scale[:, :, None] * p - q).clamp(min=0).sum(-1)  # (rows, m + 1): R_i, the residual's mass after i drafts
+    denominator = mass[:, 1:] + 1 - scale[:, 1:]
+    passing = torch.where(denominator > 0, mass[:, 1:] / denominator.clamp(min=1e-30), torch.ones_like(denominator))
+    lengths = torch.arange(1, m + 1, device=p.device)
+    passing = torch.where(lengths == num_drafts[:, None], scale[:, 1:], passing)  # the whole block: a_n
+    draws = _uniforms(drafts, generators, p.device)
+    passed = (draws < passing) & (lengths <= num_drafts[:, None])
+    accepted = (passed * lengths).amax(1) if m else num_drafts.new_zeros(rows)
+    return accepted, _finish(drafts, num_drafts, accepted, p, q, scale, generators)
+
+
+def _draft_probabilities(drafts: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor):
+    """p `(rows, m + 1, vocab)`, q `(rows, m + 1, vocab)` (zero after the drafts), and each draft's p and q
+    `(rows, m)`."""
+    rows, m = drafts.shape
     p = target_logits.softmax(-1)
     q = torch.cat([draft_logits.softmax(-1), draft_logits.new_zeros(rows, 1, draft_logits.shape[-1])], dim=1)
     p_draft = p[:, :m].gather(-1, drafts[..., None])[..., 0]
     q_draft = q[:, :m].gather(-1, drafts[..., None])[..., 0]
-    draws = torch.stack([torch.rand(m, generator=g, device=device) for g in generators])
-    real = torch.arange(m, device=device) < num_drafts[:, None]
-    accepted = ((draws * q_draft < p_draft) & real).long().cumprod(1).sum(1)  # u < p/q: never a token p excludes
+    return p, q, p_draft, q_draft
+
+
+def _uniforms(drafts: torch.Tensor, generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """One uniform draw `(rows, m)` per draft, from each row's generator."""
+    return torch.stack([torch.rand(drafts.shape[1], generator=g, device=device) for g in generators])
+
+
+def _finish(drafts: torch.Tensor, num_drafts: torch.Tensor, accepted: torch.Tensor, p: torch.Tensor,
+            q: torch.Tensor, scale: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Tokens `(rows, m + 1)`: the drafts with, at `accepted`, a draw from `norm(max(0, a p - q))` there (`scale`
+    `(rows, >= 1)` holds `a` per accepted length; p alone after every real draft, or when that has no mass)."""
     at = accepted[:, None, None].expand(-1, 1, p.shape[-1])
     p_at, q_at = p.gather(1, at)[:, 0], q.gather(1, at)[:, 0]
-    residual = (p_at - q_at).clamp(min=0)
+    a = scale.gather(1, accepted.clamp(max=scale.shape[1] - 1)[:, None])
+    residual = (a * p_at - q_at).clamp(min=0)
     use_residual = (accepted < num_drafts) & (residual.sum(-1) > 0)
     distribution = torch.where(use_residual[:, None], residual, p_at)
     distribution = distribution / distribution.sum(-1, keepdim=True)
     token = torch.cat([torch.multinomial(distribution[r : r + 1], 1, generator=g)[0] for r, g in enumerate(generators)])
-    tokens = torch.cat([drafts, drafts.new_zeros(rows, 1)], dim=1)
+    tokens = torch.cat([drafts, drafts.new_zeros(drafts.shape[0], 1)], dim=1)
     tokens.scatter_(1, accepted[:, None], token[:, None])
-    return accepted, tokens
+    return tokens
 
 
-__all__ = ["CONTEXT_FREE_PROCESSORS", "RowSampling", "choose", "context_free", "drafts_from_logits", "ends_row_only",
+__all__ = ["CONTEXT_FREE_PROCESSORS", "RowSampling", "block_verify", "choose", "context_free", "drafts_from_logits", "ends_row_only",
            "greedy_accept", "process", "rejection_sample"]

@@ -23,7 +23,7 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria,
                                                        StopStringCriteria)
 
-from .acceptance_d3d import RowSampling, ends_row_only, greedy_accept, process, rejection_sample
+from .acceptance_d3d import RowSampling, block_verify, ends_row_only, greedy_accept, process, rejection_sample
 from .caches_d3d import StaticKVCache
 from .lookup_d3d import LookupSource
 from .masking_d3d import ENGINE_ATTENTION
@@ -36,6 +36,7 @@ from .streams_d3d import Clock, seconds, synchronize
 
 # stopping criteria that read the token ids only (never the scores): the engine evaluates them on host ids
 HOST_CRITERIA = (StopStringCriteria, MaxTimeCriteria)
+VERIFICATIONS = {"block": block_verify, "token": rejection_sample}  # how sampled rows judge drafts (see the engine)
 
 
 @dataclass
@@ -222,14 +223,19 @@ class SpeculativeEngine:
     CUDA graphs, with fixed shapes; inductor with dynamic lengths on CPUs; give the source compiled passes too,
     see `generation_d3d.make_source`), through the target's `passes_d3d.compiled_passes` (kept on the target with
     the cache, reused by the next engine of the same size: `close` returns it); passes: those to use instead (e.g.
-    `CompiledPasses(target, fixed=True, compile=False)`: the fixed-shape path, eager). Not thread-safe: one caller
-    drives it (`serving_d3d.D3DBatchServer` for many).
+    `CompiledPasses(target, fixed=True, compile=False)`: the fixed-shape path, eager); verification: how sampled
+    rows judge their drafts, "block" (`acceptance_d3d.block_verify`, never fewer kept in expectation) or "token"
+    (`rejection_sample`, token by token, the paper's rule). Not thread-safe: one caller drives it
+    (`serving_d3d.D3DBatchServer` for many).
     """
 
     def __init__(self, target, source: DrafterSource | None = None, max_rows: int = 1, max_length: int = 2048, compile: bool = False,
                  keep_rounds: int = 100_000, passes: CompiledPasses | None = None, lookup: LookupSource | None = None,
-                 policy: VerifyPolicy | None = None):
+                 policy: VerifyPolicy | None = None, verification: str = "block"):
         check_target(target)
+        if verification not in VERIFICATIONS:
+            raise ValueError(f"verification must be one of {sorted(VERIFICATIONS)}, got {verification!r}")
+        self.verify_sampled = VERIFICATIONS[verification]
         if source is not None:
             check_vocabulary(source.drafter, target)
         if max_rows < 1 or max_length < 2:
@@ -397,7 +403,7 @@ class SpeculativeEngine:
             index = torch.tensor(sampled, device=self.device)
             q = (proposal.logits.to(self.device)[index] if proposal is not None
                  else logits.new_zeros(len(sampled), 0, logits.shape[-1]))
-            accepted[index], tokens[index] = rejection_sample(
+            accepted[index], tokens[index] = self.verify_sampled(
                 drafts[index], num_drafts[index], q, logits[index], [self.rows[r].verify_rng for r in sampled])
         host = torch.cat([accepted[:, None], tokens], dim=1).cpu().tolist()
         # 6. stop and commit: each row cut where the target alone stops; the target's cache commits what it keeps

@@ -54,17 +54,17 @@ def make_source(drafter, asynchronous: bool, coverage, fanout, drafter_device, w
 
 
 def build_engine(model, source, rows: int, max_length: int, compile: bool = False, lookup=False,
-                 policy=None) -> SpeculativeEngine:
+                 policy=None, verification: str = "block") -> SpeculativeEngine:
     """The engine `speculative_generate` decodes `rows` prompts of up to `max_length` tokens with (compiled: sized by
-    `shapes_d3d.engine_size`); lookup, policy: see `policy_d3d.make_chooser`; `source` is closed if the engine
-    cannot be built."""
+    `shapes_d3d.engine_size`); lookup, policy: see `policy_d3d.make_chooser`; verification: see the engine; `source`
+    is closed if the engine cannot be built."""
     if compile:
         rows, max_length = engine_size(rows, max_length, compiled_passes(model).fixed_shapes)
     try:
         lookup, policy = make_chooser(lookup, policy, source.block_size if source is not None else None,
                                       source.drafter if source is not None else model, compile)
         return SpeculativeEngine(model, source, max_rows=rows, max_length=max_length, compile=compile, lookup=lookup,
-                                 policy=policy)
+                                 policy=policy, verification=verification)
     except BaseException:
         if source is not None:
             source.close()
@@ -91,6 +91,7 @@ def speculative_generate(
     d3d_streamer=None,
     lookup: bool | int = False,
     policy=None,
+    verification: str = "block",
     **model_kwargs,
 ):
     """`target.generate(input_ids, custom_generate=speculative_generate, drafter=drafter, ...)`.
@@ -105,7 +106,8 @@ def speculative_generate(
     fill (also left in `drafter.generation_stats`). lookup: prompt lookup in the engine (True, or the most drafts a
     lookup proposes; works without a drafter); policy: what each row verifies each round is chosen for the most
     tokens per second (True, a `policy_d3d.VerifyPolicy`; None: with lookup only; False: the drafter's whole block
-    every round, the paper's rule); see `policy_d3d.make_chooser`. streamer: as generate passes it (it has put the prompt already);
+    every round, the paper's rule); see `policy_d3d.make_chooser`. verification: how sampled rows judge their drafts,
+    "block" (block verification) or "token" (token by token, the paper's rule). streamer: as generate passes it (it has put the prompt already);
     d3d_streamer: the same from a front door (`front_door_kwargs`: generate drops `streamer=` before calling a
     callable), which gets the prompt here.
     Returns `(batch, P + longest)` sequences, rows that end early padded with `pad_token_id` (or a
@@ -127,7 +129,7 @@ def speculative_generate(
     max_new_tokens = generation_config.max_length - input_ids.shape[1]
     longest_prompt = max([len(p) for p in prompts] + [len(drafter_prompt or [])])
     source = make_source(drafter, asynchronous, coverage, fanout, drafter_device, worker_threads, compile)
-    engine = build_engine(model, source, batch, longest_prompt + max_new_tokens, compile, lookup, policy)
+    engine = build_engine(model, source, batch, longest_prompt + max_new_tokens, compile, lookup, policy, verification)
     if round_record is not None:
         engine.record = round_record
     if drafter is not None:

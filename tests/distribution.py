@@ -8,6 +8,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 VOCAB = 8
 NEW_TOKENS = 3
 SAMPLES = 2500
+BROKEN_SAMPLES = 700  # enough for a broken sampler to fail by far (p < 1e-17 in the tests that show it)
 SETTINGS = dict(temperature=0.7, top_k=5, top_p=0.9)
 PROMPT = torch.tensor([[1, 5, 2, 7]])
 
@@ -18,11 +19,11 @@ def processors() -> LogitsProcessorList:
     )
 
 
-def sampled_counts(target, seed: int, **generate_kwargs) -> Counter:
-    """How often each continuation of NEW_TOKENS tokens came out of SAMPLES sampled `generate` calls."""
+def sampled_counts(target, seed: int, samples: int = SAMPLES, **generate_kwargs) -> Counter:
+    """How often each continuation of NEW_TOKENS tokens came out of `samples` sampled `generate` calls."""
     torch.manual_seed(seed)
     counts = Counter()
-    for _ in range(SAMPLES):
+    for _ in range(samples):
         out = target.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=True, **SETTINGS, **generate_kwargs)
         counts[tuple(out[0, PROMPT.shape[1] :].tolist())] += 1
     return counts

@@ -70,7 +70,8 @@ def test_bench_concurrency_writes_table_json_and_plot(tmp_path, capsys):
     results = json.loads((tmp_path / "bench" / "concurrency.json").read_text())
     assert [row["concurrency"] for row in results["levels"]] == [1, 2, 4]
     for row in results["levels"]:
-        assert row["requests"] == 5 and row["sync"]["lossless"] and row["async"]["lossless"] and row["server"]["lossless"]
+        assert row["requests"] == 5
+        assert all(row[name]["lossless"] for name in ("sync", "policy", "async", "server"))
         assert row["sync"]["tau"] >= 1 and row["sync"]["hit_rate"] is None and row["async"]["hit_rate"] is not None
         assert row["server"]["tau"] >= 1 and row["server"]["batched_rounds"] >= 1 and row["server"]["hit_rate"] is None
     assert (tmp_path / "bench" / "concurrency.png").stat().st_size > 0
@@ -97,6 +98,30 @@ def test_bench_command_sampled_checks_the_distribution_and_reports_the_ceiling(t
     assert all(m["consistent"] and m["outside_support"] == 0 for m in methods.values())
     assert methods["target generate"]["z"] == 0.0
     assert 1.0 <= prompt_set["ceiling_tau"] <= 4.0
+
+
+def test_bench_measures_only_the_methods_named_beside_the_target_alone(tmp_path, capsys):
+    tiny_target(0, layers=2, vocab_size=24).save_pretrained(tmp_path / "target")
+    word_tokenizer(num_words=21).save_pretrained(tmp_path / "target")
+    D3DForBlockDiffusion.from_backbone(tiny_target(0, layers=2, vocab_size=24), block_size=4).save_pretrained(
+        tmp_path / "drafter")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "w1 w4 w1 w4 w1"}))
+    try:
+        code = main(["bench", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
+                     "--prompts", str(prompts), "--do-sample", "--methods", "D3D sync,"])
+    except SystemExit as exit_:
+        code = exit_.code
+    assert code == 2 and "--methods '' is part of no method's name" in capsys.readouterr().err
+    code = main(["bench", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
+                 "--prompts", str(prompts), "--max-new-tokens", "8", "--compile", "none", "--dtype", "float32",
+                 "--do-sample", "--methods", "token-wise,hybrid", "--output", str(tmp_path / "bench")])
+    assert code == 0, capsys.readouterr().out
+    results = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    methods = [m["method"] for m in results["prompt_sets"]["prompts"]["methods"]]
+    assert methods == ["target generate", "target alone, engine", "D3D sync, token-wise verification",
+                       "D3D + lookup (hybrid)"]
+    assert results["sweep"] == []
 
 
 def test_bench_sampling_flags_are_checked_before_any_model_loads(tmp_path, capsys):

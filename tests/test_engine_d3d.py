@@ -445,6 +445,9 @@ def test_bad_input_is_refused_with_a_clear_error():
     with pytest.raises(ValueError, match="drafter="):
         target.generate(torch.tensor([[1, 2]]), max_new_tokens=2, custom_generate=speculative_generate,
                         asynchronous=True)
+    with pytest.raises(ValueError, match="verification must be one of"):
+        target.generate(torch.tensor([[1, 2]]), max_new_tokens=2, custom_generate=speculative_generate,
+                        drafter=drafter, verification="joint")
 
 
 REMOTE_BATCH = """

@@ -118,7 +118,11 @@ def sampling_models():
 
 class PeekingEngine(SpeculativeEngine):
     """A broken chooser: it runs the target on each row and replays the row's verification draw, and verifies the
-    lookup's first draft only when it would be accepted (else nothing). Its plan reads this round's verification."""
+    lookup's first draft only when it would be accepted (else nothing). Its plan reads this round's verification
+    (token-wise, where the first draw alone decides the first draft)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, verification="token", **kwargs)
 
     def plan(self, keys, lookups):
         choices = []

@@ -1,6 +1,7 @@
 """The whole quickstart pipeline at micro size: every artifact, lossless methods, remote-code drafter, stage reuse."""
 
 import json
+import os
 import math
 import re
 from pathlib import Path
@@ -15,7 +16,7 @@ from cli.main import main
 from conftest import demo_table, run_without_project
 from quickstart.corpus import (function_prompts, humaneval_prompts, pydoc_prompts, quality_texts, split_topics,
                                training_texts)
-from quickstart.pipeline import MICRO, run_quickstart
+from quickstart.pipeline import MICRO, benchmark_done, run_quickstart
 from quickstart.pretrain import bits_per_byte
 
 
@@ -134,9 +135,19 @@ def test_bits_per_byte_is_the_models_loss_over_the_texts_bytes(output):
 
 
 def test_a_second_run_reuses_finished_stages(output):
-    stamps = {name: (output / name / "model.safetensors").stat().st_mtime_ns for name in ("target", "assistant", "drafter")}
-    run_quickstart(output, MICRO)
-    assert stamps == {name: (output / name / "model.safetensors").stat().st_mtime_ns for name in stamps}
+    stamps = {name: (output / name).stat().st_mtime_ns
+              for name in ("target/model.safetensors", "assistant/model.safetensors", "drafter/model.safetensors",
+                           "bench.json", "bench.png")}
+    results = run_quickstart(output, MICRO)
+    assert stamps == {name: (output / name).stat().st_mtime_ns for name in stamps}
+    assert results == json.loads((output / "bench.json").read_text())
+    assert benchmark_done(output, output / "drafter")
+    weights = output / "drafter" / "model.safetensors"
+    os.utime(weights, ns=(stamps["bench.json"] + 10**9,) * 2)  # a drafter newer than the benchmark is measured again
+    try:
+        assert not benchmark_done(output, output / "drafter")
+    finally:
+        os.utime(weights, ns=(stamps["drafter/model.safetensors"],) * 2)
 
 
 def test_evaluation_prompts_stay_out_of_training():

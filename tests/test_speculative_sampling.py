@@ -9,7 +9,7 @@ import torch
 import transformers.generation.utils as generation_utils
 
 from conftest import tiny_target
-from distribution import NEW_TOKENS, PROMPT, SAMPLES, SETTINGS, VOCAB, chi_square_p_value, exact_distribution, sampled_counts
+from distribution import BROKEN_SAMPLES, NEW_TOKENS, PROMPT, SAMPLES, SETTINGS, VOCAB, chi_square_p_value, exact_distribution, sampled_counts
 from modeling_d3d import BlockSource, D3DAssistant, D3DForBlockDiffusion
 from modeling_d3d.passes_d3d import run_pass
 from modeling_d3d.sources_d3d import block_pass_layout
@@ -22,8 +22,8 @@ def models():
     return target, drafter, exact_distribution(target)
 
 
-def speculative_counts(target, drafter) -> Counter:
-    return sampled_counts(target, seed=0, assistant_model=drafter)
+def speculative_counts(target, drafter, samples: int = SAMPLES) -> Counter:
+    return sampled_counts(target, seed=0, samples=samples, assistant_model=drafter)
 
 
 def test_speculative_sampling_matches_the_target_distribution(models):
@@ -65,7 +65,7 @@ def resample_from_p_instead_of_the_residual(candidate_input_ids, candidate_logit
 def test_a_wrong_residual_fails_the_test(models, monkeypatch):
     target, drafter, expected = models
     monkeypatch.setattr(generation_utils, "_speculative_sampling", resample_from_p_instead_of_the_residual)
-    assert chi_square_p_value(speculative_counts(target, drafter), expected, SAMPLES) < 1e-6
+    assert chi_square_p_value(speculative_counts(target, drafter, BROKEN_SAMPLES), expected, BROKEN_SAMPLES) < 1e-6
 
 
 class SourceReportingRawLogits(BlockSource):
@@ -82,7 +82,7 @@ class SourceReportingRawLogits(BlockSource):
 def test_a_q_without_the_logits_processors_fails_the_test(models):
     target, drafter, expected = models
     with D3DAssistant(SourceReportingRawLogits(drafter)) as broken:
-        assert chi_square_p_value(speculative_counts(target, broken), expected, SAMPLES) < 1e-6
+        assert chi_square_p_value(speculative_counts(target, broken, BROKEN_SAMPLES), expected, BROKEN_SAMPLES) < 1e-6
 
 
 def test_the_same_adapter_with_an_honest_source_passes_the_test(models):

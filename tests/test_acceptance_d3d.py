@@ -1,0 +1,92 @@
+"""The acceptance routines alone (`acceptance_d3d`), on a toy target and proposal that are Markov chains (each
+token's distribution depends on the one before), so that a draft's p depends on the drafts before it: the tokens
+emitted over rounds are distributed exactly as the target's, token-wise rejection sampling and block verification
+alike, and a wrong residual or a wrong q is caught."""
+
+from collections import Counter
+
+import pytest
+import torch
+
+from distribution import chi_square_p_value
+from modeling_d3d.acceptance_d3d import block_verify, rejection_sample
+
+VOCAB, DRAFTS, LENGTH, SAMPLES = 3, 3, 3, 6000
+
+
+def chains(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probability tables `(VOCAB, VOCAB)` (row: the token before) of the target, the proposal, and another."""
+    generator = torch.Generator().manual_seed(seed)
+    return tuple((1.5 * torch.randn(VOCAB, VOCAB, generator=generator)).log_softmax(-1) for _ in range(3))
+
+
+def exact(target: torch.Tensor) -> dict[tuple[int, ...], float]:
+    """P(first LENGTH tokens after token 0) under the target chain."""
+    distribution = {(): 1.0}
+    for _ in range(LENGTH):
+        distribution = {seq + (t,): prob * target[seq[-1] if seq else 0, t].exp().item()
+                        for seq, prob in distribution.items() for t in range(VOCAB)}
+    return distribution
+
+
+def decode(accept, target, proposal, drafting, seed: int):
+    """SAMPLES rows decoded by rounds of up to DRAFTS drafts (drawn from `drafting`, judged against `proposal` as
+    q; each row a random number of them per round) until each has LENGTH tokens. Returns the counts of the first
+    LENGTH tokens and the mean drafts accepted per round."""
+    torch.manual_seed(seed)
+    outputs = [[] for _ in range(SAMPLES)]
+    accepted_total, rounds = 0, 0
+    while any(len(out) < LENGTH for out in outputs):
+        last = torch.tensor([out[-1] if out else 0 for out in outputs])
+        drafts, previous = [], last
+        for _ in range(DRAFTS):
+            previous = torch.multinomial(drafting[previous].exp(), 1)[:, 0]
+            drafts.append(previous)
+        drafts = torch.stack(drafts, dim=1)  # (rows, DRAFTS)
+        before = torch.cat([last[:, None], drafts], dim=1)  # the token before each position
+        num_drafts = torch.randint(0, DRAFTS + 1, (SAMPLES,))
+        accepted, tokens = accept(drafts, num_drafts, proposal[before[:, :-1]], target[before], [None] * SAMPLES)
+        for r, out in enumerate(outputs):
+            out.extend(tokens[r, : accepted[r] + 1].tolist())
+        accepted_total, rounds = accepted_total + accepted.sum().item(), rounds + SAMPLES
+    return Counter(tuple(out[:LENGTH]) for out in outputs), accepted_total / rounds
+
+
+@pytest.mark.parametrize("accept", [rejection_sample, block_verify], ids=["token-wise", "block"])
+def test_tokens_over_rounds_follow_the_target_and_a_wrong_q_is_caught(accept):
+    target, proposal, other = chains(0)
+    counts, _ = decode(accept, target, proposal, proposal, seed=1)
+    assert chi_square_p_value(counts, exact(target), SAMPLES) > 1e-3
+    counts, _ = decode(accept, target, proposal, other, seed=2)  # drafts not drawn from the q it is told
+    assert chi_square_p_value(counts, exact(target), SAMPLES) < 1e-6
+
+
+def test_after_a_partly_kept_block_the_token_comes_from_the_scaled_residual():
+    """One case, many draws: drafts [2, 2]; the first draft's p/q is 1/2, so after keeping it alone the next token
+    comes from norm(max(0, p/2 - q)) (tokens 0 and 1 as 2:1), not from the token-wise norm(max(0, p - q)) (4:3):
+    the rounds that keep exactly one draft are checked against both."""
+    p = torch.tensor([[0.3, 0.45, 0.25], [0.5, 0.45, 0.05], [0.4, 0.4, 0.2]]).log()
+    q = torch.tensor([[0.2, 0.3, 0.5], [0.1, 0.15, 0.75]]).log()
+    drafts = torch.tensor([[2, 2]]).expand(SAMPLES, -1)
+    torch.manual_seed(0)
+    accepted, tokens = block_verify(drafts, torch.full((SAMPLES,), 2), q.expand(SAMPLES, -1, -1),
+                                    p.expand(SAMPLES, -1, -1), [None] * SAMPLES)
+    after_one = tokens[accepted == 1, 1]
+    assert len(after_one) > 500
+    counts = Counter((t,) for t in after_one.tolist())
+    for scale, matches in ((0.5, True), (1.0, False)):
+        residual = (scale * p[1].exp() - q[1].exp()).clamp(min=0)
+        expected = {(t,): v for t, v in enumerate((residual / residual.sum()).tolist()) if v > 0}
+        assert (chi_square_p_value(counts, expected, len(after_one)) > 1e-3) == matches, scale
+
+
+def test_block_verification_keeps_at_least_as_many_drafts_as_token_wise():
+    """Sun et al.'s guarantee, in expectation: the same chains, the mean accepted drafts per round (the token-wise
+    mean may exceed the block one by noise only: three standard errors of a difference of two means)."""
+    target, proposal, _ = chains(4)
+    _, token_wise = decode(rejection_sample, target, proposal, proposal, seed=5)
+    _, block = decode(block_verify, target, proposal, proposal, seed=6)
+    assert block >= token_wise - 3 * (2 * DRAFTS**2 / 4 / SAMPLES) ** 0.5, (block, token_wise)
+    greedy_proposal = torch.full_like(proposal, -1e4).scatter(1, proposal.argmax(1, keepdim=True), 0.0)
+    counts, _ = decode(block_verify, target, greedy_proposal, greedy_proposal, seed=7)  # one-hot q (argmax drafts)
+    assert chi_square_p_value(counts, exact(target), SAMPLES) > 1e-3
