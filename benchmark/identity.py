@@ -86,20 +86,24 @@ def sampled_consistency(target, prompts: list[torch.Tensor], reference: list[lis
                         sampling: dict) -> dict:
     """Whether sampled `outputs` look drawn from the same distribution as the target's own sampled `reference`: every
     token inside the sampling support, and the mean log-probability of their tokens under the target within 4
-    standard errors of the reference's (`z`). A distribution check, not token identity (sampled outputs differ)."""
-    logs = {"reference": [], "outputs": []}
-    outside = 0
+    standard errors of the reference's (`z`). The unit is the prompt, not the token (a sequence's tokens depend on
+    each other: one that falls into a loop has every token likely), so `z` is the paired difference of the
+    per-prompt means over its standard error across prompts. A distribution check, not token identity."""
+    differences, outside = [], 0
     for prompt, expected, got in zip(prompts, reference, outputs):
+        means = []
         for name, tokens in (("reference", expected), ("outputs", got)):
             if not tokens:
                 continue
             probabilities = output_probabilities(target, prompt, tokens, sampling)
             chosen = probabilities[torch.arange(len(tokens)), torch.tensor(tokens, device=probabilities.device)]
             outside += int((chosen == 0).sum()) if name == "outputs" else 0
-            logs[name] += chosen.clamp(min=1e-30).log().tolist()
-    a, b = torch.tensor(logs["reference"]), torch.tensor(logs["outputs"])
-    error = float((a.var() / len(a) + b.var() / len(b)).sqrt()) if len(a) > 1 and len(b) > 1 else float("inf")
-    z = float(b.mean() - a.mean()) / error if error > 0 else 0.0
+            means.append(float(chosen.clamp(min=1e-30).log().mean()))
+        if len(means) == 2:
+            differences.append(means[1] - means[0])
+    d = torch.tensor(differences, dtype=torch.float64)
+    error = float(d.std() / len(d) ** 0.5) if len(d) > 1 else float("inf")
+    z = float(d.mean()) / error if 0 < error < float("inf") else 0.0
     return {"z": z, "outside_support": outside, "consistent": outside == 0 and abs(z) < 4}
 
 

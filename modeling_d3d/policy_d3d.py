@@ -51,21 +51,30 @@ class VerifyPolicy:
     the weight of the newest observation in every average; probe_every: rounds a row may go without verifying the
     drafter's block (doubled after each probe that kept nothing, up to 8x, and reset by one that kept a draft);
     costs: seconds per kind of pass (`"narrow"`, `"wide"`, `"drafter"`) to use instead of measured ones (then
-    decisions do not depend on timing: reproducible rounds). What it learns (costs; `priors`, the smoothed accepted
+    decisions do not depend on timing: reproducible rounds); pooling: the weight of the drafter's pooled acceptance
+    (`priors`: the mean over every row and round, its start counted as one round, moving by at least
+    `pool_smoothing` a round once many were seen) in a row's expected drafts from its block, the rest its own average (a row's few latest rounds say little: a hard stretch of text does not make a
+    good drafter worth skipping). What it learns (costs; `priors`, the smoothed accepted
     drafts over every row, where new rows start) carries over from call to call when it is kept (`policy_for`)."""
 
     block_size: int
     smoothing: float = 0.25
     probe_every: int = 16
     costs: dict[str, float] | None = None
+    pooling: float = 0.5
+    pool_smoothing: float = 0.03
     measured: dict[tuple[str, int], float] = field(default_factory=dict)
     history: dict = field(default_factory=dict)
     priors: dict[str, float] = field(default_factory=dict)
+    pooled_rounds: dict[str, int] = field(default_factory=dict)
     interval: int = 0
 
     def __post_init__(self):
         if not 0 < self.smoothing <= 1:
             raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing!r}")
+        if not 0 <= self.pooling <= 1 or not 0 < self.pool_smoothing <= 1:
+            raise ValueError(f"pooling must be in [0, 1] and pool_smoothing in (0, 1], got {self.pooling!r}, "
+                             f"{self.pool_smoothing!r}")
         if isinstance(self.probe_every, bool) or not isinstance(self.probe_every, int) or self.probe_every < 1:
             raise ValueError(f"probe_every must be an integer >= 1, got {self.probe_every!r}")
         self.priors = self.priors or {BLOCK: (self.block_size - 1) / 2, LOOKUP: (self.block_size - 1) / 2}
@@ -96,7 +105,8 @@ class VerifyPolicy:
         rows = len(keys)
         history = [self.row(key) for key in keys]
         lookup_gain = [min(h.lookup, len(found)) if found else 0.0 for h, found in zip(history, lookups)]
-        block_gain = [h.block if drafter else 0.0 for h in history]
+        pooled = self.pooling * self.priors[BLOCK]
+        block_gain = [(1 - self.pooling) * h.block + pooled if drafter else 0.0 for h in history]
         narrow, wide = self.cost("narrow", rows), self.cost("wide", rows)
         options = [(rows / narrow, 0, [NOTHING] * rows)]
         if any(lookups):
@@ -129,7 +139,8 @@ class VerifyPolicy:
             if choice in (BLOCK, LOOKUP):
                 kind = BLOCK if choice == BLOCK else LOOKUP
                 setattr(history, kind, getattr(history, kind) + rate * (accepted - getattr(history, kind)))
-                self.priors[kind] += rate * (accepted - self.priors[kind])
+                seen = self.pooled_rounds[kind] = self.pooled_rounds.get(kind, 0) + 1
+                self.priors[kind] += max(self.pool_smoothing, 1 / (seen + 1)) * (accepted - self.priors[kind])
 
     def forget(self, key) -> None:
         """Drop a row that left."""

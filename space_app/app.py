@@ -51,11 +51,12 @@ def build_demo(
     trained_block_size = drafter.config.block_size
     defaults = default_settings(trained_block_size)
 
-    def generate(prompt, block_size, coverage, fanout, temperature, max_new_tokens):
+    def generate(prompt, block_size, coverage, fanout, temperature, max_new_tokens, lookup=False):
         try:
             settings = Settings(
                 whole_number("block size", block_size), whole_number("coverage C", coverage),
                 whole_number("fanout F", fanout), float(temperature), whole_number("max new tokens", max_new_tokens),
+                bool(lookup),
             )
             prompt_ids = prepare_request(target, drafter, tokenizer, prompt, settings)
         except (TypeError, ValueError) as error:
@@ -87,6 +88,9 @@ def build_demo(
             with gr.Row():
                 temperature = gr.Slider(0, MAX_TEMPERATURE, value=defaults.temperature, step=0.05, label="temperature", info="0 is greedy")
                 max_new_tokens = gr.Slider(1, MAX_NEW_TOKENS, value=defaults.max_new_tokens, step=1, precision=0, label="max new tokens")
+                lookup = gr.Checkbox(value=defaults.lookup, label="prompt lookup",
+                                     info="also draft by looking the text's latest n-gram up in the prompt and output; "
+                                          "each round verifies what is expected to keep more (lookup tokens in purple)")
         gr.HTML(legend_html())
         with gr.Row():
             with gr.Column():
@@ -97,7 +101,7 @@ def build_demo(
                 d3d_text = gr.HTML(tokens_html(None, "d3d"), elem_id="d3d-text", css_template=TOKENS_CSS)
         stats = gr.HTML(stats_html(None, None), elem_id="stats")
         plot = gr.HTML(rounds_svg(None, trained_block_size), elem_id="rounds-plot")
-        inputs = [prompt, block_size, coverage, fanout, temperature, max_new_tokens]
+        inputs = [prompt, block_size, coverage, fanout, temperature, max_new_tokens, lookup]
         outputs = [target_text, d3d_text, stats, plot]
         gr.on(
             [run.click, prompt.submit], generate, inputs, outputs, api_name="generate", concurrency_limit=concurrency_limit

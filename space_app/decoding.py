@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 from transformers import GenerationConfig
 
-DRAFT, CACHE, TARGET = "draft", "cache", "target"
+DRAFT, CACHE, LOOKUP, TARGET = "draft", "cache", "lookup", "target"
 MAX_NEW_TOKENS = 512
 MAX_FANOUT = 8
 MAX_TEMPERATURE = 2.0
@@ -28,13 +28,16 @@ MAX_TEMPERATURE = 2.0
 @dataclass(frozen=True)
 class Settings:
     """One request's settings. block_size `b`: the drafter proposes `b - 1` tokens a round (`2 <= b <= B`, the
-    drafter's trained block size); coverage `C` and fanout `F`: the asynchronous budget; temperature 0 is greedy."""
+    drafter's trained block size); coverage `C` and fanout `F`: the asynchronous budget; temperature 0 is greedy;
+    lookup: prompt lookup beside the drafter (the hybrid: each round verifies the proposal expected to keep more,
+    `policy_d3d`)."""
 
     block_size: int
     coverage: int
     fanout: int
     temperature: float
     max_new_tokens: int
+    lookup: bool = False
 
 
 def default_settings(trained_block_size: int, max_new_tokens: int = 128) -> Settings:
@@ -86,23 +89,26 @@ class EngineModules(NamedTuple):
     sources: ModuleType
     settings: ModuleType
     threads: ModuleType | None  # None: a drafter saved before `threads_d3d` existed
+    policy: ModuleType | None  # None: a drafter saved before `policy_d3d` (prompt lookup) existed
 
 
 def engine_modules(drafter) -> EngineModules:
-    """The drafter's own `engine_d3d`, `successor_d3d` (as `sources`), `settings_d3d` and `threads_d3d` modules (its remote code when
-    loaded from the Hub)."""
+    """The drafter's own `engine_d3d`, `successor_d3d` (as `sources`), `settings_d3d`, `threads_d3d` and `policy_d3d`
+    modules (its remote code when loaded from the Hub)."""
     package = type(drafter).__module__.rpartition(".")[0]
     engine, sources, settings = (importlib.import_module(f"{package}.{name}_d3d")
                                  for name in ("engine", "successor", "settings"))
-    found = importlib.util.find_spec(f"{package}.threads_d3d") is not None
-    return EngineModules(engine, sources, settings, importlib.import_module(f"{package}.threads_d3d") if found else None)
+    optional = [importlib.import_module(f"{package}.{name}_d3d")
+                if importlib.util.find_spec(f"{package}.{name}_d3d") is not None else None
+                for name in ("threads", "policy")]
+    return EngineModules(engine, sources, settings, *optional)
 
 
 def token_kinds(outcome) -> list[str]:
-    """How each token of one round (a `RoundOutcome`) came: its accepted drafts, `CACHE` when a prepared branch
-    served the round else `DRAFT`, then the target's own token, `TARGET` (none when the length limit cut the round
-    inside the drafts)."""
-    kind = CACHE if outcome.from_cache else DRAFT
+    """How each token of one round (a `RoundOutcome`) came: its accepted drafts, `LOOKUP` when the round verified a
+    prompt-lookup continuation, else `CACHE` when a prepared branch served it, else `DRAFT`; then the target's own
+    token, `TARGET` (none when the length limit cut the round inside the drafts)."""
+    kind = LOOKUP if outcome.verified == "lookup" else CACHE if outcome.from_cache else DRAFT
     return [kind] * outcome.accepted_drafts + [TARGET] * (len(outcome.added) - outcome.accepted_drafts)
 
 
@@ -158,7 +164,8 @@ class LiveDecode:
 
     def extend(self, outcome, drafting: bool) -> None:
         """Add one round's `RoundOutcome`; `drafting`: whether a drafter proposed drafts for it."""
-        served = "cache hit" if outcome.from_cache else "drafting pass" if drafting else "no draft"
+        served = ("prompt lookup" if outcome.verified == "lookup" else "cache hit" if outcome.from_cache
+                  else "drafting pass" if drafting and outcome.verified == "block" else "no draft")
         round_ = Round(list(outcome.added), token_kinds(outcome), served)
         self.rounds.append(round_)
         self.tokens += round_.tokens
@@ -266,15 +273,22 @@ def warm_up(target, drafter, tokenizer, prompt: str) -> tuple[LiveDecode, LiveDe
 def decode_live(target, drafter, tokenizer, prompt_ids: torch.LongTensor, settings: Settings,
                 draft: bool = True) -> Iterator[LiveDecode]:
     """Decode `prompt_ids` `(1, L)` with the drafter's `SpeculativeEngine`, one round per step: with `drafter`
-    through a `SuccessorSource` (coverage, fanout; `block_size - 1` drafts a round), or the target alone
-    (`draft=False`). Yields the `LiveDecode` after every round, finished (`done`) on the last yield. Closing the
+    through a `SuccessorSource` (coverage, fanout; `block_size - 1` drafts a round; with `settings.lookup` prompt
+    lookup beside it, chosen per round by the verify policy), or the target alone (`draft=False`). Yields the `LiveDecode` after every round, finished (`done`) on the last yield. Closing the
     iterator stops after the current round; an error of a round reaches the consumer."""
     modules = engine_modules(drafter)
-    source = None
+    source, chooser = None, {}
     if draft:
         source = modules.sources.SuccessorSource(drafter, settings.coverage, settings.fanout,
                                                  max_drafts=settings.block_size - 1)
-    engine = modules.engine.SpeculativeEngine(target, source, max_length=prompt_ids.shape[1] + settings.max_new_tokens)
+        if settings.lookup:
+            if modules.policy is None:
+                source.close()
+                raise ValueError("This drafter's code predates prompt lookup: save it again with this project")
+            lookup, policy = modules.policy.make_chooser(settings.block_size - 1, None, drafter.config.block_size)
+            chooser = {"lookup": lookup, "policy": policy}
+    engine = modules.engine.SpeculativeEngine(target, source, max_length=prompt_ids.shape[1] + settings.max_new_tokens,
+                                              **chooser)
     live = LiveDecode(tokenizer, engine.record)
     try:
         engine.add(0, prompt_ids[0].tolist(), row_settings(drafter, target, prompt_ids, settings))
@@ -291,7 +305,7 @@ def decode_live(target, drafter, tokenizer, prompt_ids: torch.LongTensor, settin
 
 
 __all__ = [
-    "CACHE", "DRAFT", "TARGET", "MAX_FANOUT", "MAX_NEW_TOKENS", "MAX_TEMPERATURE", "Detokenizer", "EngineModules",
+    "CACHE", "DRAFT", "LOOKUP", "TARGET", "MAX_FANOUT", "MAX_NEW_TOKENS", "MAX_TEMPERATURE", "Detokenizer", "EngineModules",
     "LiveDecode", "Round", "Settings", "check_prompt_length", "check_settings", "compare_live", "decode_live",
     "default_settings", "encode_prompt", "engine_modules", "prepare_request", "row_settings", "token_kinds", "warm_up", "whole_number",
 ]

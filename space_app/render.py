@@ -1,7 +1,8 @@
 """How the Space draws a decode: coloured token spans, a statistics table, a bar chart of the rounds (SVG).
 
 Every token is a `<span class="d3d-token d3d-KIND" data-kind="KIND">`, KIND one of `draft` (an accepted draft token
-from a drafting pass), `cache` (an accepted draft token of a round served from a cache hit) and `target` (the
+from a drafting pass), `cache` (an accepted draft token of a round served from a cache hit), `lookup` (an accepted
+token of a prompt-lookup continuation) and `target` (the
 target's own token), its text exactly the token's. Text wraps anywhere, whitespace runs included (`break-spaces`),
 so nothing leaves its panel; spaces and tabs show their colour, and an empty `<span class="d3d-eol">` before each
 newline shows `↵` through `TOKENS_CSS` (the panel's CSS), outside the text. Statistics cells carry `data-stat="COLUMN-NAME"` so that a browser or a client can read them.
@@ -11,16 +12,17 @@ import html
 import math
 
 if __package__:
-    from .decoding import CACHE, DRAFT, TARGET, LiveDecode
+    from .decoding import CACHE, DRAFT, LOOKUP, TARGET, LiveDecode
 else:  # beside app.py as the root of a Space
-    from decoding import CACHE, DRAFT, TARGET, LiveDecode
+    from decoding import CACHE, DRAFT, LOOKUP, TARGET, LiveDecode
 
 KINDS = {
     DRAFT: ("accepted draft token", "#bfdbfe"),
     CACHE: ("accepted draft token, served from a cache hit", "#bbf7d0"),
+    LOOKUP: ("accepted token of a prompt-lookup continuation", "#e9d5ff"),
     TARGET: ("the target's own token", "#fde68a"),
 }
-SERVED_COLOURS = {"cache hit": "#22c55e", "drafting pass": "#3b82f6", "no draft": "#f59e0b"}
+SERVED_COLOURS = {"cache hit": "#22c55e", "drafting pass": "#3b82f6", "prompt lookup": "#a855f7", "no draft": "#f59e0b"}
 TEXT_STYLE = (
     "white-space: break-spaces; overflow-wrap: anywhere; font-family: ui-monospace, monospace; line-height: 1.7; "
     "color: #111827"

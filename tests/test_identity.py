@@ -56,3 +56,27 @@ def test_the_table_says_which_dtype_checks_identity_exactly():
     assert "| near-ties (3/4) |" in table and "float32 run checks identity exactly" in table
     row.update(divergences=1, near_ties=0)
     assert "| NO (3/4) |" in markdown(results)
+
+
+def sampled(target, prompts, temperature: float, seed: int, new_tokens: int = 24) -> list[list[int]]:
+    torch.manual_seed(seed)
+    return [target.generate(p, do_sample=True, temperature=temperature, top_k=0, max_new_tokens=new_tokens,
+                            min_new_tokens=new_tokens)[0, p.shape[1]:].tolist() for p in prompts]
+
+
+def test_sampled_outputs_are_consistent_with_the_targets_own_and_colder_ones_are_not():
+    """The sampled check, per prompt (paired): another draw from the target's distribution passes; draws at a lower
+    temperature than the one checked (likelier tokens) fail, as do tokens outside top-k."""
+    from benchmark.identity import sampled_consistency
+
+    target = tiny_target(3, vocab_size=16)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 16, (1, 4), generator=generator) for _ in range(16)]
+    settings = {"do_sample": True, "temperature": 1.0, "top_k": 0}
+    reference = sampled(target, prompts, 1.0, 1)
+    same = sampled_consistency(target, prompts, reference, sampled(target, prompts, 1.0, 2), settings)
+    colder = sampled_consistency(target, prompts, reference, sampled(target, prompts, 0.3, 3), settings)
+    assert same["consistent"] and abs(same["z"]) < 4, same
+    assert not colder["consistent"] and colder["z"] > 4, colder
+    narrow = sampled_consistency(target, prompts, reference, reference, {**settings, "top_k": 2})
+    assert narrow["outside_support"] > 0 and not narrow["consistent"]

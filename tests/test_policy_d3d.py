@@ -67,7 +67,7 @@ def test_the_policy_verifies_nothing_when_drafting_costs_more_than_it_keeps():
 
 
 def test_the_policy_takes_the_lookup_where_it_keeps_more_and_skips_the_drafter_when_no_row_needs_it():
-    policy = VerifyPolicy(16, costs={"narrow": 1.0, "wide": 1.0, "drafter": 1.0})
+    policy = VerifyPolicy(16, costs={"narrow": 1.0, "wide": 1.0, "drafter": 1.0}, pooling=0.0)  # the row's own rates
     policy.row(0).block, policy.row(0).lookup = 0.2, 6.0
     assert policy.plan([0], [[1] * 10], True) == RoundPlan([LOOKUP], False, 16)  # 7 tokens for 1 s, not 7 for 2 s
     assert plan_of(policy, [[]]) == [NOTHING]  # no continuation: the block's 1.2 tokens are not worth 2 s
@@ -88,6 +88,23 @@ def test_a_row_that_skipped_the_drafter_verifies_its_block_again_less_often_whil
     plan = policy.plan([0], [[]], True)
     policy.observe([0], plan, [2], 1.0, 5.0)
     assert plan.choices == [BLOCK] and policy.interval == 3
+
+
+def test_a_row_in_a_hard_stretch_keeps_a_good_drafter_while_its_pooled_rate_says_it_pays():
+    """Pooling: a drafter that kept 5 drafts a round over many rounds is still verified for a row whose last rounds
+    kept nothing (half its estimate is the pooled rate); without pooling that row would skip it."""
+    costs = {"narrow": 1.0, "wide": 1.2, "drafter": 0.5}
+    for pooling, expected in ((0.5, BLOCK), (0.0, NOTHING)):
+        policy = VerifyPolicy(16, costs=costs, pooling=pooling)
+        for key in range(40):  # many earlier rows: 5 drafts kept a round
+            policy.observe([key], RoundPlan([BLOCK], True, 16), [5], 1.2, 0.5)
+        for _ in range(10):  # this row's hard stretch
+            policy.observe([99], RoundPlan([BLOCK], True, 16), [0], 1.2, 0.5)
+        assert plan_of_keys(policy, [99]) == [expected], pooling
+
+
+def plan_of_keys(policy: VerifyPolicy, keys: list) -> list[str]:
+    return policy.plan(keys, [[] for _ in keys], True).choices
 
 
 def test_costs_not_measured_yet_are_taken_as_the_cheapest_they_can_be():

@@ -13,7 +13,7 @@ from cli.main import build_parser
 from conftest import run_without_project
 from cpu_pools import RELEASED, gone, needs_libgomp, pool_of_this_thread
 from space_app.decoding import (
-    CACHE, DRAFT, TARGET, Detokenizer, Settings, check_settings, compare_live, decode_live, default_settings,
+    CACHE, DRAFT, LOOKUP, TARGET, Detokenizer, Settings, check_settings, compare_live, decode_live, default_settings,
     encode_prompt, engine_modules, prepare_request, token_kinds, warm_up,
 )
 from modeling_d3d.prefill_d3d import PromptSelection, chunk_spans
@@ -42,6 +42,7 @@ def test_token_kinds_split_accepted_drafts_from_the_target_token(space_models):
     assert token_kinds(outcome(0, [5, 6, 7, 8, 4], False, accepted_drafts=4, from_cache=True)) == [CACHE] * 4 + [TARGET]
     assert token_kinds(outcome(0, [3], True, accepted_drafts=0, from_cache=True)) == [TARGET]
     assert token_kinds(outcome(0, [5, 6], True, accepted_drafts=2)) == [DRAFT, DRAFT]  # the length limit cut the drafts
+    assert token_kinds(outcome(0, [5, 6, 1], False, accepted_drafts=2, verified="lookup")) == [LOOKUP] * 2 + [TARGET]
 
 
 def matched_drafts(drafter, context: list[int], added: list[int], limit: int) -> int:
@@ -147,6 +148,19 @@ def test_a_smaller_block_drafts_fewer_tokens_and_stays_lossless(space_models):
     *_, (alone, d3d) = compare_live(target, drafter, tokenizer, prompt_ids, settings)
     assert d3d.tokens == alone.tokens == greedy_text(target, tokenizer, PROMPT, 30)[0]
     assert max(d3d.accepted_lengths) <= 3 and len(d3d.rounds) < len(alone.rounds)
+
+
+def test_prompt_lookup_beside_the_drafter_stays_lossless_and_colours_its_tokens(space_models):
+    """The hybrid on a prompt the target's greedy output repeats: the D3D column equals the target alone, and the
+    rounds that verified a lookup continuation (there are some) show their accepted tokens as `lookup`."""
+    target, drafter, tokenizer = space_models
+    settings = Settings(block_size=BLOCK_SIZE, coverage=4, fanout=2, temperature=0.0, max_new_tokens=60, lookup=True)
+    prompt_ids = prepare_request(target, drafter, tokenizer, PROMPT, settings)
+    *_, (alone, d3d) = compare_live(target, drafter, tokenizer, prompt_ids, settings)
+    assert d3d.tokens == alone.tokens == greedy_text(target, tokenizer, PROMPT, 60)[0]
+    looked_up = [round_ for round_ in d3d.rounds if round_.served == "prompt lookup"]
+    assert looked_up and all(round_.kinds[:-1] == [LOOKUP] * (len(round_.kinds) - 1) for round_ in looked_up)
+    assert LOOKUP in d3d.kinds and 'data-kind="lookup"' in tokens_html(d3d, "d3d")
 
 
 def test_sampling_decodes_the_requested_number_of_tokens(space_models):
