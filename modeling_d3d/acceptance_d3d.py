@@ -112,6 +112,8 @@ def rejection_sample(drafts: torch.Tensor, num_drafts: torch.Tensor, draft_logit
     """Leviathan et al.: accept draft j with probability min(1, p/q); at the first rejection sample from
     norm(max(0, p - q)); after every real draft is accepted, sample the bonus token from p. One generator per row
     (None: the global one). The tokens are distributed exactly as the target's processed p."""
+    if drafts.shape[1] == 0:
+        return _draw(target_logits, generators)
     p, q, p_draft, q_draft = _draft_probabilities(drafts, draft_logits, target_logits)
     draws = _uniforms(drafts, generators, p.device)
     real = torch.arange(drafts.shape[1], device=p.device) < num_drafts[:, None]
@@ -128,6 +130,8 @@ def block_verify(drafts: torch.Tensor, num_drafts: torch.Tensor, draft_logits: t
     on its own uniform draw; the longest passing prefix `tau` is kept, then a token from `norm(max(0, a_tau p - q))`
     at position `tau` (from p after all `n` drafts). Same inputs and outputs as `rejection_sample`; the tokens are
     distributed exactly as the target's processed p, and the expected number kept is never smaller."""
+    if drafts.shape[1] == 0:
+        return _draw(target_logits, generators)
     p, q, p_draft, q_draft = _draft_probabilities(drafts, draft_logits, target_logits)
     rows, m = drafts.shape
     scale = [torch.ones(rows, device=p.device, dtype=p.dtype)]  # a_0 .. a_m
@@ -141,8 +145,16 @@ def block_verify(drafts: torch.Tensor, num_drafts: torch.Tensor, draft_logits: t
     passing = torch.where(lengths == num_drafts[:, None], scale[:, 1:], passing)  # the whole block: a_n
     draws = _uniforms(drafts, generators, p.device)
     passed = (draws < passing) & (lengths <= num_drafts[:, None])
-    accepted = (passed * lengths).amax(1) if m else num_drafts.new_zeros(rows)
+    accepted = (passed * lengths).amax(1)
     return accepted, _finish(drafts, num_drafts, accepted, p, q, scale, generators)
+
+
+def _draw(target_logits: torch.Tensor, generators: list[torch.Generator | None]):
+    """A round without drafts: no draft accepted, each row's token drawn from p `(rows, 1, vocab)` with its
+    generator."""
+    p = target_logits[:, 0].softmax(-1)
+    token = torch.cat([torch.multinomial(p[r : r + 1], 1, generator=g)[0] for r, g in enumerate(generators)])
+    return torch.zeros(p.shape[0], dtype=torch.long, device=p.device), token[:, None]
 
 
 def _draft_probabilities(drafts: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor):

@@ -90,3 +90,14 @@ def test_block_verification_keeps_at_least_as_many_drafts_as_token_wise():
     greedy_proposal = torch.full_like(proposal, -1e4).scatter(1, proposal.argmax(1, keepdim=True), 0.0)
     counts, _ = decode(block_verify, target, greedy_proposal, greedy_proposal, seed=7)  # one-hot q (argmax drafts)
     assert chi_square_p_value(counts, exact(target), SAMPLES) > 1e-3
+
+
+@pytest.mark.parametrize("accept", [rejection_sample, block_verify], ids=["token-wise", "block"])
+def test_a_round_without_drafts_draws_the_token_from_p(accept):
+    p = torch.tensor([0.5, 0.3, 0.2])
+    torch.manual_seed(8)
+    accepted, tokens = accept(torch.zeros(SAMPLES, 0, dtype=torch.long), torch.zeros(SAMPLES, dtype=torch.long),
+                              torch.zeros(SAMPLES, 0, VOCAB), p.log().expand(SAMPLES, 1, -1), [None] * SAMPLES)
+    assert tokens.shape == (SAMPLES, 1) and tokens.dtype == torch.long and not accepted.any()
+    counts = Counter((t,) for t in tokens[:, 0].tolist())
+    assert chi_square_p_value(counts, {(t,): v for t, v in enumerate(p.tolist())}, SAMPLES) > 1e-3
