@@ -2,7 +2,7 @@
 
 Per row, the longest suffix of its text (its drafter context: prompt, then the generated tokens; `min_ngram` to
 `max_ngram` tokens) that occurred earlier in it, at its most recent earlier occurrence; the tokens that followed
-that occurrence are the drafts (up to `max_drafts`). The drafts are a function of the text alone, so their q is
+that occurrence are the drafts (`max_drafts`, copied on past the text's end: a repeating cycle continues). The drafts are a function of the text alone, so their q is
 one-hot (`one_hot_logits`) and rejection sampling stays exact. Each row keeps an n-gram index, extended by the
 tokens a round adds (a dict per n-gram size: the latest end of each n-gram), so a lookup costs a few dict reads.
 """
@@ -46,12 +46,17 @@ class NgramIndex:
                 self.ends[n - 1][tuple(self.text[end - n : end])] = end
 
     def continuation(self, min_ngram: int, count: int) -> list[int]:
-        """The up to `count` tokens that followed the latest earlier occurrence of the text's longest suffix of
-        `min_ngram..max_ngram` tokens; empty when none occurred."""
+        """The `count` tokens that followed the latest earlier occurrence of the text's longest suffix of
+        `min_ngram..max_ngram` tokens, copied on past the text's end as an overlapping copy does (a text repeating a
+        cycle shorter than `count` continues the cycle); empty when none occurred."""
         for n in range(min(self.max_ngram, len(self.text)), min_ngram - 1, -1):
             end = self.ends[n - 1].get(tuple(self.text[-n:]))
             if end is not None:
-                return self.text[end : end + count]
+                copied = []
+                for k in range(count):
+                    at = end + k
+                    copied.append(self.text[at] if at < len(self.text) else copied[at - len(self.text)])
+                return copied
         return []
 
 

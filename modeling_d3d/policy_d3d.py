@@ -7,7 +7,7 @@ kind of round with the most expected tokens per second (`RoundPlan`): expected t
 far (accepted drafts per round, for the drafter's blocks and for lookups, smoothed), seconds from the rounds this
 engine has run (smoothed, per batch size; a cost not measured yet is taken as the cheapest it can be, so the round
 that measures it is tried). A row that has not verified the drafter's block for `probe_every` rounds verifies it
-again (its acceptance may have changed), so an engine never stops learning.
+again (its acceptance may have changed), and likewise a lookup it found, so an engine never stops learning.
 
 Lossless whatever it decides: the decision reads past rounds and the proposals' own contents (lookup drafts are a
 function of the text), never the target's logits of this round nor the drafter's sampled tokens (which would change
@@ -38,11 +38,12 @@ class RoundPlan:
 @dataclass
 class RowHistory:
     """One row's smoothed accepted drafts per round when it verified the drafter's block and a lookup, and the rounds
-    since it last verified the block."""
+    since it last verified each."""
 
     block: float
     lookup: float
     since_block: int = 0
+    since_lookup: int = 0
 
 
 @dataclass
@@ -121,6 +122,10 @@ class VerifyPolicy:
             if any(probes):
                 options = [(0.0, 3, [BLOCK if probe else choice for probe, choice in zip(probes, choices)])]
         _, _, choices = max(options, key=lambda option: option[:2])
+        # a row that found a continuation but has not verified one for `probe_every` rounds verifies it (its
+        # estimate, learnt only from verified lookups, would otherwise never come back up)
+        choices = [LOOKUP if found and choice == NOTHING and h.since_lookup >= self.probe_every else choice
+                   for choice, found, h in zip(choices, lookups, history)]
         verifies = any(choice != NOTHING for choice in choices)
         return RoundPlan(choices, BLOCK in choices, self.block_size if verifies else 1)
 
@@ -136,6 +141,7 @@ class VerifyPolicy:
             if choice == BLOCK and history.since_block >= self.interval:  # a probe: back off while they keep nothing
                 self.interval = self.probe_every if accepted else min(2 * self.interval, 8 * self.probe_every)
             history.since_block = 0 if choice == BLOCK else history.since_block + 1
+            history.since_lookup = 0 if choice == LOOKUP else history.since_lookup + 1
             if choice in (BLOCK, LOOKUP):
                 kind = BLOCK if choice == BLOCK else LOOKUP
                 setattr(history, kind, getattr(history, kind) + rate * (accepted - getattr(history, kind)))

@@ -29,6 +29,13 @@ def test_a_lookup_continues_the_latest_earlier_occurrence_of_the_longest_suffix(
     assert index.continuation(min_ngram=1, count=2) == []  # nor did 8
 
 
+def test_a_lookup_in_a_repeating_cycle_continues_the_cycle_past_the_texts_end():
+    index = NgramIndex(max_ngram=2)
+    index.extend([9, 5, 6, 7, 5, 6, 7, 5, 6])
+    # "5 6" last ended before the final 7: the copy runs past the text's end into its own drafts
+    assert index.continuation(min_ngram=2, count=8) == [7, 5, 6, 7, 5, 6, 7, 5]
+
+
 def test_a_lookup_index_grown_round_by_round_equals_one_built_at_once():
     generator = torch.Generator().manual_seed(0)
     text = torch.randint(0, 5, (80,), generator=generator).tolist()
