@@ -54,9 +54,10 @@ class VerifyPolicy:
     costs: seconds per kind of pass (`"narrow"`, `"wide"`, `"drafter"`) to use instead of measured ones (then
     decisions do not depend on timing: reproducible rounds); pooling: the weight of the drafter's pooled acceptance
     (`priors`: the mean over every row and round, its start counted as one round, moving by at least
-    `pool_smoothing` a round once many were seen) in a row's expected drafts from its block, the rest its own average (a row's few latest rounds say little: a hard stretch of text does not make a
-    good drafter worth skipping). What it learns (costs; `priors`, the smoothed accepted
-    drafts over every row, where new rows start) carries over from call to call when it is kept (`policy_for`)."""
+    `pool_smoothing` a round once many were seen) in a row's expected drafts from its block, the rest its own
+    average (a row's few latest rounds say little: a hard stretch of text does not make a good drafter worth
+    skipping). What it learns (costs; `priors`, where new rows start) carries over from call to call when it is kept
+    (`policy_for`)."""
 
     block_size: int
     smoothing: float = 0.25
