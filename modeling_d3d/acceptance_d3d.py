@@ -153,8 +153,7 @@ def _draw(target_logits: torch.Tensor, generators: list[torch.Generator | None])
     """A round without drafts: no draft accepted, each row's token drawn from p `(rows, 1, vocab)` with its
     generator."""
     p = target_logits[:, 0].softmax(-1)
-    token = torch.cat([torch.multinomial(p[r : r + 1], 1, generator=g)[0] for r, g in enumerate(generators)])
-    return torch.zeros(p.shape[0], dtype=torch.long, device=p.device), token[:, None]
+    return torch.zeros(p.shape[0], dtype=torch.long, device=p.device), _sample_rows(p, generators)[:, None]
 
 
 def _draft_probabilities(drafts: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor):
@@ -184,10 +183,14 @@ def _finish(drafts: torch.Tensor, num_drafts: torch.Tensor, accepted: torch.Tens
     use_residual = (accepted < num_drafts) & (residual.sum(-1) > 0)
     distribution = torch.where(use_residual[:, None], residual, p_at)
     distribution = distribution / distribution.sum(-1, keepdim=True)
-    token = torch.cat([torch.multinomial(distribution[r : r + 1], 1, generator=g)[0] for r, g in enumerate(generators)])
     tokens = torch.cat([drafts, drafts.new_zeros(drafts.shape[0], 1)], dim=1)
-    tokens.scatter_(1, accepted[:, None], token[:, None])
+    tokens.scatter_(1, accepted[:, None], _sample_rows(distribution, generators)[:, None])
     return tokens
+
+
+def _sample_rows(distribution: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token `(rows,)` per row of `distribution` `(rows, vocab)`, each drawn with its row's generator."""
+    return torch.cat([torch.multinomial(distribution[r : r + 1], 1, generator=g)[0] for r, g in enumerate(generators)])
 
 
 __all__ = ["CONTEXT_FREE_PROCESSORS", "RowSampling", "block_verify", "choose", "context_free", "drafts_from_logits", "ends_row_only",

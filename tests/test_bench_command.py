@@ -77,11 +77,16 @@ def test_bench_concurrency_writes_table_json_and_plot(tmp_path, capsys):
     assert (tmp_path / "bench" / "concurrency.png").stat().st_size > 0
 
 
-def test_bench_command_sampled_checks_the_distribution_and_reports_the_ceiling(tmp_path, capsys):
-    tiny_target(0, layers=2, vocab_size=24).save_pretrained(tmp_path / "target")
-    word_tokenizer(num_words=21).save_pretrained(tmp_path / "target")
+def save_word_models(folder) -> None:
+    """A 2-layer target with a 21-word tokenizer in `folder/target`, a block-4 drafter in `folder/drafter`."""
+    tiny_target(0, layers=2, vocab_size=24).save_pretrained(folder / "target")
+    word_tokenizer(num_words=21).save_pretrained(folder / "target")
     D3DForBlockDiffusion.from_backbone(tiny_target(0, layers=2, vocab_size=24), block_size=4).save_pretrained(
-        tmp_path / "drafter")
+        folder / "drafter")
+
+
+def test_bench_command_sampled_checks_the_distribution_and_reports_the_ceiling(tmp_path, capsys):
+    save_word_models(tmp_path)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": f"w{i} w{i + 3} w{i} w{i + 3} w{i}"}) for i in range(3)))
     code = main(["bench", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
@@ -101,10 +106,7 @@ def test_bench_command_sampled_checks_the_distribution_and_reports_the_ceiling(t
 
 
 def test_bench_measures_only_the_methods_named_beside_the_target_alone(tmp_path, capsys):
-    tiny_target(0, layers=2, vocab_size=24).save_pretrained(tmp_path / "target")
-    word_tokenizer(num_words=21).save_pretrained(tmp_path / "target")
-    D3DForBlockDiffusion.from_backbone(tiny_target(0, layers=2, vocab_size=24), block_size=4).save_pretrained(
-        tmp_path / "drafter")
+    save_word_models(tmp_path)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "w1 w4 w1 w4 w1"}))
     try:
