@@ -85,10 +85,11 @@ def output_probabilities(target, prompt: torch.Tensor, output: list[int], sampli
 def sampled_consistency(target, prompts: list[torch.Tensor], reference: list[list[int]], outputs: list[list[int]],
                         sampling: dict) -> dict:
     """Whether sampled `outputs` look drawn from the same distribution as the target's own sampled `reference`: every
-    token inside the sampling support, and the mean log-probability of their tokens under the target within 4
-    standard errors of the reference's (`z`). The unit is the prompt, not the token (a sequence's tokens depend on
-    each other: one that falls into a loop has every token likely), so `z` is the paired difference of the
-    per-prompt means over its standard error across prompts. A distribution check, not token identity."""
+    token inside the sampling support, and the mean log-probability of their tokens under the target not above or
+    below the reference's by a paired sign-flip test over prompts (`p` >= 1e-4; `z`, the paired difference of the per-prompt
+    means over its standard error, is reported beside it). The unit is the prompt, not the token (a sequence's
+    tokens depend on each other: one that falls into a loop has every token likely). A distribution check, not
+    token identity."""
     differences, outside = [], 0
     for prompt, expected, got in zip(prompts, reference, outputs):
         means = []
@@ -104,7 +105,23 @@ def sampled_consistency(target, prompts: list[torch.Tensor], reference: list[lis
     d = torch.tensor(differences, dtype=torch.float64)
     error = float(d.std() / len(d) ** 0.5) if len(d) > 1 else float("inf")
     z = float(d.mean()) / error if 0 < error < float("inf") else 0.0
-    return {"z": z, "outside_support": outside, "consistent": outside == 0 and abs(z) < 4}
+    p = sign_flip_p_value(d)
+    return {"z": z, "p": p, "outside_support": outside, "consistent": outside == 0 and p >= 1e-4}
+
+
+def sign_flip_p_value(differences: torch.Tensor, draws: int = 1 << 16) -> float:
+    """Two-sided p-value that paired `differences` `(n,)` are centred on 0: the share of sign flips whose mean is
+    at least as far from 0 as theirs (every flip for n <= 16, else `draws` seeded random ones). Exact for any n,
+    unlike a normal z with few prompts (3 prompts can give |z| > 4 by chance); it cannot reject below 2 / 2**n."""
+    n = len(differences)
+    if n == 0:
+        return 1.0
+    if n <= 16:
+        signs = ((torch.arange(1 << n)[:, None] >> torch.arange(n)) & 1) * 2 - 1
+    else:
+        signs = torch.randint(0, 2, (draws, n), generator=torch.Generator().manual_seed(0)) * 2 - 1
+    flipped = (signs.to(differences.dtype) * differences).mean(1).abs()
+    return float((flipped >= differences.mean().abs() - 1e-12).double().mean())
 
 
 def ceiling_tau(target, prompts: list[torch.Tensor], outputs: list[list[int]], block_size: int, sampling: dict) -> float:
@@ -127,4 +144,4 @@ def ceiling_tau(target, prompts: list[torch.Tensor], outputs: list[list[int]], b
 
 
 __all__ = ["CANDIDATES", "NEAR_TIE", "ceiling_tau", "checks_exactly", "classify", "output_probabilities",
-           "sampled_consistency", "sampling_processors", "top2_in_float32", "top2_margin"]
+           "sampled_consistency", "sampling_processors", "sign_flip_p_value", "top2_in_float32", "top2_margin"]
