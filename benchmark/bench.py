@@ -3,9 +3,10 @@
 Methods: the target's own `generate` (the 1.0x reference); the target alone through the engine, eager and compiled
 (its loop overhead, and the compiled baseline); Hugging Face assisted generation with an AR assistant; prompt
 lookup (transformers' loop, the ecosystem's reference, and the engine's own `lookup=True`, no drafter); D3D
-synchronous through the engine, eager and compiled; the hybrid (D3D + the engine's lookup, one chooser per row:
-`policy_d3d`) and D3D with the verify policy alone; for sampled runs D3D sync with token-wise verification too
-(the engine's default is block verification); D3D asynchronous through the engine at the default
+synchronous through the engine, eager and compiled (the verify policy on, as every front door runs it:
+`policy_d3d`), and with the policy off (the drafter's whole block every round, the paper's rule); the hybrid (D3D +
+the engine's lookup, one chooser per row); for sampled runs D3D sync with token-wise verification too (the
+engine's default is block verification); D3D asynchronous through the engine at the default
 (C, F) and at the best (C, F) of a sweep measured first on a few prompts (the best also compiled); D3D through
 `assistant_model=drafter` (transformers' assisted loop driving the engine's source: what that path costs). Every
 method is warmed up first (for compiled methods this first call is the compile time, reported) and every output is
@@ -14,19 +15,23 @@ checked against the target's own: token for token when greedy; sampled (`samplin
 it (`identity.ceiling_tau`: what the target's entropy allows).
 
 Speedups are over the fastest target-alone baseline and over plain `generate`. The ideal bounds use the engine's own
-passes on a 256-token prefix: sync τ·t_T(1)/(t_T(B) + t_D(B)) (each round verifies a block and waits for its draft)
-and async τ·t_T(1)/t_T(B) (drafting fully hidden); the fraction reached is the speedup over the target alone
-through the engine in the same mode (eager or compiled: the t_T(1) the bound assumes) divided by the bound.
+passes on a 256-token prefix: the run's tokens times t_T(1) over the passes its rounds ran, at those costs: sync,
+a round that verified the drafter's block t_T(B) + t_D(B) (it waits for its draft), a lookup t_T(B), nothing t_T(1);
+async, drafting fully hidden (t_T(B) for either). With the drafter's block every round these are the paper's
+τ·t_T(1)/(t_T(B) + t_D(B)) and τ·t_T(1)/t_T(B). The fraction reached is the speedup over the target alone through
+the engine in the same mode (eager or compiled: the t_T(1) the bound assumes) divided by the bound.
 """
 
 import platform
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
 
 from modeling_d3d.generation_d3d import speculative_generate
+from modeling_d3d.policy_d3d import BLOCK, LOOKUP, NOTHING
 from modeling_d3d.successor_d3d import DEFAULT_COVERAGE, DEFAULT_FANOUT
 
 from .forward_cost import engine_pass_seconds
@@ -89,7 +94,7 @@ def build_methods(drafter, assistant, default: tuple[int, int], best: tuple[int,
     if sampled:
         methods.append(Method("D3D sync, token-wise verification", engine_kwargs(drafter, False, verification="token"),
                               drafting="sync"))
-    methods.append(Method("D3D sync, policy", engine_kwargs(drafter, False, policy=True), drafting="sync"))
+    methods.append(Method("D3D sync, fixed block", engine_kwargs(drafter, False, policy=False), drafting="sync"))
     methods += [Method(f"D3D + lookup (hybrid){suffix(c)}", engine_kwargs(drafter, c, lookup=True), drafting="sync",
                        compiled=c) for c in modes]
     methods.append(Method(f"D3D async C={default[0]} F={default[1]}", engine_kwargs(drafter, False, *default),
@@ -141,10 +146,14 @@ def run_methods(target, methods: list[Method], prompts: list[torch.Tensor], max_
     return runs, warmups
 
 
-def ideal_bounds(tau: float, passes: dict) -> tuple[float, float]:
-    """(sync, async) ideal speedups: τ·t_T(1)/(t_T(B) + t_D(B)) and τ·t_T(1)/t_T(B)."""
+def ideal_bounds(run: MethodRun, passes: dict) -> tuple[float, float]:
+    """(sync, async) ideal speedups of `run`: its tokens at t_T(1) each over its rounds' passes (module docstring);
+    rounds the engine did not record (transformers' loop) verified the drafter's block."""
     t1, tb, td = passes["t_target_1"], passes["t_target_b"], passes["t_drafter_b"]
-    return tau * t1 / (tb + td), tau * t1 / tb
+    verified = run.verified if run.verified else Counter({BLOCK: run.rounds})
+    narrow, block, lookup = verified[NOTHING], verified[BLOCK], verified[LOOKUP]
+    alone = run.new_tokens * t1
+    return alone / (narrow * t1 + lookup * tb + block * (tb + td)), alone / (narrow * t1 + (lookup + block) * tb)
 
 
 def round_split(run: MethodRun) -> dict:
@@ -172,7 +181,7 @@ def summarize(methods: list[Method], runs: list[MethodRun], warmups: list[float]
         same_mode = run.tokens_per_second / engine_alone.get(method.compiled, fastest)
         ideal_sync = ideal_async = None
         if method.drafting is not None:
-            ideal_sync, ideal_async = ideal_bounds(run.tau, passes["compiled" if method.compiled else "eager"])
+            ideal_sync, ideal_async = ideal_bounds(run, passes["compiled" if method.compiled else "eager"])
         rows.append({
             "method": method.name,
             "engine": run.verify_seconds is not None,

@@ -98,8 +98,8 @@ def concurrency_benchmark(
     target, drafter, prompts: list[torch.Tensor], levels: list[int], max_new_tokens: int, coverage: int, fanout: int
 ) -> dict:
     """For each concurrency level, on the same groups (interleaved group by group, so machine drift hits all alike):
-    tokens/s of the target's batched greedy decoding, of batched D3D (sync; and sync with the verify policy,
-    `policy_d3d`), of batched D3D with asynchronous drafting at budget (coverage, fanout) and of the batch server
+    tokens/s of the target's batched greedy decoding, of batched D3D (sync, the verify policy on as every front door
+    runs it; and sync with it off, the drafter's whole block every round: "fixed"), of batched D3D with asynchronous drafting at budget (coverage, fanout) and of the batch server
     (sync); speedups over the first; τ (tokens per row
     per round), batched rounds, cache-hit rate, and whether every D3D row equals the baseline's. Returns what
     `concurrency.json` holds."""
@@ -108,14 +108,14 @@ def concurrency_benchmark(
     eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
     pad = config.pad_token_id if config.pad_token_id is not None else next(iter(eos_ids), 0)
     settings = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
-    records = {"sync": RoundRecord(), "policy": RoundRecord(), "async": RoundRecord(), "server": RoundRecord()}
+    records = {"sync": RoundRecord(), "fixed": RoundRecord(), "async": RoundRecord(), "server": RoundRecord()}
     longest = max(prompt.shape[1] for prompt in prompts) + max_new_tokens
     methods = {
         "baseline": lambda ids, mask: target.generate(ids, attention_mask=mask, **settings),
         "sync": lambda ids, mask: drafter.generate_batch(target, ids, attention_mask=mask,
                                                         round_record=fresh(records, "sync"), **settings),
-        "policy": lambda ids, mask: drafter.generate_batch(target, ids, attention_mask=mask, policy=True,
-                                                          round_record=fresh(records, "policy"), **settings),
+        "fixed": lambda ids, mask: drafter.generate_batch(target, ids, attention_mask=mask, policy=False,
+                                                         round_record=fresh(records, "fixed"), **settings),
         "async": lambda ids, mask: drafter.generate_batch(target, ids, attention_mask=mask, asynchronous=True,
                                                          coverage=coverage, fanout=fanout,
                                                          round_record=fresh(records, "async"), **settings),
@@ -149,16 +149,16 @@ def markdown(results: dict) -> str:
     lines = [
         f"### Concurrency ({results['levels'][0]['requests']} requests, {results['max_new_tokens']} new tokens, greedy)",
         "",
-        f"| concurrency | target batched tok/s | D3D sync tok/s | speedup | D3D sync, policy tok/s | speedup | "
+        f"| concurrency | target batched tok/s | D3D sync tok/s | speedup | D3D sync, fixed block tok/s | speedup | "
         f"D3D async {budget} tok/s | speedup | D3D server tok/s | speedup | τ | cache hits (async) | lossless |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in results["levels"]:
-        sync, policy, asynchronous, server = row["sync"], row["policy"], row["async"], row["server"]
-        lossless = "yes" if all(row[name]["lossless"] for name in ("sync", "policy", "async", "server")) else "NO"
+        sync, fixed, asynchronous, server = row["sync"], row["fixed"], row["async"], row["server"]
+        lossless = "yes" if all(row[name]["lossless"] for name in ("sync", "fixed", "async", "server")) else "NO"
         lines.append(
             f"| {row['concurrency']} | {row['baseline_tokens_per_second']:.1f} | {sync['tokens_per_second']:.1f} | "
-            f"{sync['speedup']:.2f}x | {policy['tokens_per_second']:.1f} | {policy['speedup']:.2f}x | "
+            f"{sync['speedup']:.2f}x | {fixed['tokens_per_second']:.1f} | {fixed['speedup']:.2f}x | "
             f"{asynchronous['tokens_per_second']:.1f} | {asynchronous['speedup']:.2f}x | "
             f"{server['tokens_per_second']:.1f} | {server['speedup']:.2f}x | "
             f"{sync['tau']:.2f} | {percent(asynchronous['hit_rate'])} | {lossless} |"
@@ -174,14 +174,14 @@ def plot(results: dict, path: Path) -> None:
     figure, axis = plt.subplots(figsize=(7, 4))
     axis.plot(levels, [row["baseline_tokens_per_second"] for row in results["levels"]], "o-", label="target batched greedy")
     axis.plot(levels, [row["sync"]["tokens_per_second"] for row in results["levels"]], "s-", label="D3D sync")
-    axis.plot(levels, [row["policy"]["tokens_per_second"] for row in results["levels"]], "v-", label="D3D sync, policy")
+    axis.plot(levels, [row["fixed"]["tokens_per_second"] for row in results["levels"]], "v-", label="D3D sync, fixed block")
     axis.plot(levels, [row["async"]["tokens_per_second"] for row in results["levels"]], "^-", label="D3D async")
     axis.plot(levels, [row["server"]["tokens_per_second"] for row in results["levels"]], "d-", label="D3D server")
     axis.set_xlabel("concurrent requests")
     axis.set_ylabel("aggregate tokens/s")
     axis.set_xticks(levels)
     speedup_axis = axis.twinx()
-    for name, style in (("sync", "k--"), ("policy", "b--"), ("async", "k:"), ("server", "k-.")):
+    for name, style in (("sync", "k--"), ("fixed", "b--"), ("async", "k:"), ("server", "k-.")):
         speedup_axis.plot(levels, [row[name]["speedup"] for row in results["levels"]], style, alpha=0.6,
                           label=f"speedup, {name}")
     speedup_axis.set_ylabel("speedup over the target's batched decoding")

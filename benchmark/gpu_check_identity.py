@@ -19,10 +19,10 @@ from .identity import NEAR_TIE
 
 BF16_TIE_TOLERANCE = NEAR_TIE  # a bf16 divergence whose score gap is within this fraction of the top score: a near-tie
 
-MODES = {
-    "sync": {},
-    "async": {"asynchronous": True},
-    "cross-device": {"asynchronous": True, "drafter_device": "cpu", "coverage": 2, "fanout": 1},
+MODES = {  # the drafter's block every round (policy=False): these checks exercise drafting, not the verify policy
+    "sync": {"policy": False},
+    "async": {"asynchronous": True, "policy": False},
+    "cross-device": {"asynchronous": True, "drafter_device": "cpu", "coverage": 2, "fanout": 1, "policy": False},
 }
 
 

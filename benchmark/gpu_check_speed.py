@@ -132,7 +132,7 @@ def timed_generate(function: Callable, device: torch.device) -> float:
 def engine_tau(target, drafter, ids, mask, settings: dict, token: int, bias: float) -> float:
     """Tokens per row per round of the synchronous engine with `token` biased by `bias` (drafter forced to it)."""
     with forced_head(target, token, bias), forced_head(drafter, token):
-        drafter.generate_batch(target, ids, attention_mask=mask, **settings)
+        drafter.generate_batch(target, ids, attention_mask=mask, policy=False, **settings)
     return drafter.generation_stats.tau
 
 
@@ -155,8 +155,9 @@ def calibrate_tau(target, drafter, ids, mask, settings: dict, token: int, goal: 
 
 
 def timing_rows(context: Context, rows: int) -> dict:
-    """Measured: `generate`, the engine alone, D3D sync/async with the random drafter (tau about 1) and with the
-    acceptance forced to about tau 7.88 (biased heads); projected: the round from CUDA-event pass times at 7.88."""
+    """Measured: `generate`, the engine alone, D3D sync/async with the random drafter (tau about 1; the drafter's
+    block every round, and sync with the default verify policy) and with the acceptance forced to about tau 7.88
+    (biased heads); projected: the round from CUDA-event pass times at 7.88."""
     s, device = context.shapes, context.device
     target, drafter = context.models.get("8b")
     ids, mask = random_prompts([s.prefix] * rows, s.vocab, device, seed=5)
@@ -174,6 +175,11 @@ def timing_rows(context: Context, rows: int) -> dict:
         seconds = timed_generate(lambda: drafter.generate_batch(target, ids, attention_mask=mask, **settings,
                                                                 **MODES[mode]), device)
         measured[f"{mode}_random_drafter"] = record_split(drafter.generation_stats, seconds)
+    # the front door's default, the verify policy: with a drafter that keeps nothing it should run as the target alone
+    seconds = timed_generate(lambda: drafter.generate_batch(target, ids, attention_mask=mask, **settings), device)
+    measured["sync_random_drafter_policy"] = record_split(drafter.generation_stats, seconds)
+    measured["sync_random_drafter_policy"]["speedup_vs_generate"] = round(
+        measured["sync_random_drafter_policy"]["tokens_per_s"] / out["generate_tokens_per_s"], 2)
     token = 7
     forced = {**settings, "max_new_tokens": 8 * s.block_size}
     bias, tau = calibrate_tau(target, drafter, ids, mask, {**settings, "max_new_tokens": 4 * s.block_size}, token)
@@ -216,6 +222,7 @@ def timing_check(context: Context):
     summary = "; ".join(
         f"rows {r['rows']}: generate {r['generate_tokens_per_s']} tok/s, "
         f"engine alone {r['engine_alone_tokens_per_s']}, "
+        f"random drafter with the verify policy {r['engine_measured']['sync_random_drafter_policy']['tokens_per_s']}, "
         f"forced tau {r['engine_measured']['sync_forced_tau']['tau']}: sync "
         f"{r['engine_measured']['sync_forced_tau']['tokens_per_s']} / async "
         f"{r['engine_measured']['async_forced_tau']['tokens_per_s']} tok/s measured; at tau 7.88 sync "

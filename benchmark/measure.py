@@ -2,6 +2,7 @@
 engine methods (`custom_generate=speculative_generate`) the round split read from the engine's `RoundRecord`."""
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -34,7 +35,8 @@ class RoundCounter(BaseStreamer):
 class MethodRun:
     """One method over one prompt set: totals and per-prompt outputs. `verify_seconds` / `exposed_draft_seconds`
     are summed from the engine's round records (None for methods outside the engine), as are `compilations`
-    (graphs PyTorch compiled during the rounds)."""
+    (graphs PyTorch compiled during the rounds) and `verified` (rounds by what they verified: `policy_d3d`'s
+    nothing, block, lookup; one prompt a call, so row rounds are rounds)."""
 
     name: str
     seconds: float = 0.0
@@ -45,6 +47,7 @@ class MethodRun:
     verify_seconds: float | None = None
     exposed_draft_seconds: float | None = None
     compilations: int = 0
+    verified: Counter = field(default_factory=Counter)
     outputs: list[list[int]] = field(default_factory=list)
 
     @property
@@ -66,13 +69,15 @@ class MethodRun:
         return 1000 * seconds / self.rounds if self.rounds else None
 
     def add_record(self, record: RoundRecord) -> None:
-        """Add one engine call's round record: rounds, lookups, hits and the verify / exposed drafting seconds."""
+        """Add one engine call's round record: rounds, lookups, hits, what rounds verified and the verify / exposed
+        drafting seconds."""
         self.rounds += record.rounds
         self.lookups += record.lookups
         self.cache_hits += record.cache_hits
         self.verify_seconds = (self.verify_seconds or 0.0) + record.verify_seconds
         self.exposed_draft_seconds = (self.exposed_draft_seconds or 0.0) + record.exposed_draft_seconds
         self.compilations += record.compilations
+        self.verified.update(record.verified)
 
 
 def decode_one(target, prompt: torch.Tensor, max_new_tokens: int, run: MethodRun, sampling: dict | None = None,

@@ -172,10 +172,13 @@ def policy_for(model, block_size: int, compiled: bool) -> VerifyPolicy:
 def make_chooser(lookup, policy, block_size: int | None, holder=None,
                  compiled: bool = False) -> tuple[LookupSource | None, "VerifyPolicy | None"]:
     """The front doors' settings as engine parts. lookup: False, True (up to `B - 1` drafts a round) or an integer
-    (at most that many); policy: False (the drafter's block every round, the paper's rule), True (a `VerifyPolicy`),
-    a `VerifyPolicy`, or None (on with lookup, else off). Lookup needs the policy (it decides when a lookup is worth verifying). block_size: the
-    drafter's (None: no drafter, `DEFAULT_BLOCK_SIZE`); holder: the model that keeps a policy made here across calls
-    (`policy_for`, per mode: `compiled`; None: a new one). Raises `ValueError` for settings of the wrong kind."""
+    (at most that many); policy: None or True (a `VerifyPolicy`: the default whenever there is a drafter or a
+    lookup), a `VerifyPolicy`, or False (the drafter's whole block every round, the paper's rule). Lookup needs the
+    policy (it decides when a lookup is worth verifying). block_size: the drafter's (None: no drafter,
+    `DEFAULT_BLOCK_SIZE`); holder: the model that keeps a policy made here across calls (`policy_for`, per mode:
+    `compiled`; None: a new one). Returns (None, None) with neither a drafter nor a lookup (the target alone).
+    Raises `ValueError` for settings of the wrong kind."""
+    drafting = block_size is not None
     block_size = block_size or DEFAULT_BLOCK_SIZE
     if policy is not None and not isinstance(policy, (bool, VerifyPolicy)):
         raise ValueError(f"policy must be True, False or a VerifyPolicy, got {policy!r}")
@@ -191,7 +194,7 @@ def make_chooser(lookup, policy, block_size: int | None, holder=None,
         if policy.block_size != block_size:
             raise ValueError(f"The policy's block size {policy.block_size} differs from the verify width {block_size}")
         return source, policy
-    if not (policy if policy is not None else source is not None):
+    if policy is False or (source is None and not drafting):
         return source, None
     return source, policy_for(holder, block_size, compiled) if holder is not None else VerifyPolicy(block_size)
 

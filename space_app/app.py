@@ -51,12 +51,12 @@ def build_demo(
     trained_block_size = drafter.config.block_size
     defaults = default_settings(trained_block_size)
 
-    def generate(prompt, block_size, coverage, fanout, temperature, max_new_tokens, lookup=False):
+    def generate(prompt, block_size, coverage, fanout, temperature, max_new_tokens, lookup=False, policy=True):
         try:
             settings = Settings(
                 whole_number("block size", block_size), whole_number("coverage C", coverage),
                 whole_number("fanout F", fanout), float(temperature), whole_number("max new tokens", max_new_tokens),
-                bool(lookup),
+                bool(lookup), bool(policy),
             )
             prompt_ids = prepare_request(target, drafter, tokenizer, prompt, settings)
         except (TypeError, ValueError) as error:
@@ -91,6 +91,9 @@ def build_demo(
                 lookup = gr.Checkbox(value=defaults.lookup, label="prompt lookup",
                                      info="also draft by looking the text's latest n-gram up in the prompt and output; "
                                           "each round verifies what is expected to keep more (lookup tokens in purple)")
+                policy = gr.Checkbox(value=defaults.policy, label="verify policy", elem_id="policy",
+                                     info="each round verifies only what is expected to pay (nothing, when drafting "
+                                          "would cost more than it keeps); off: the whole block every round")
         gr.HTML(legend_html())
         with gr.Row():
             with gr.Column():
@@ -101,7 +104,7 @@ def build_demo(
                 d3d_text = gr.HTML(tokens_html(None, "d3d"), elem_id="d3d-text", css_template=TOKENS_CSS)
         stats = gr.HTML(stats_html(None, None), elem_id="stats")
         plot = gr.HTML(rounds_svg(None, trained_block_size), elem_id="rounds-plot")
-        inputs = [prompt, block_size, coverage, fanout, temperature, max_new_tokens, lookup]
+        inputs = [prompt, block_size, coverage, fanout, temperature, max_new_tokens, lookup, policy]
         outputs = [target_text, d3d_text, stats, plot]
         gr.on(
             [run.click, prompt.submit], generate, inputs, outputs, api_name="generate", concurrency_limit=concurrency_limit

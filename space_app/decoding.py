@@ -12,7 +12,7 @@ drafter's own (remote) code, so the folder runs as a Space on its own.
 import importlib
 import importlib.util
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import NamedTuple
 
@@ -29,8 +29,9 @@ MAX_TEMPERATURE = 2.0
 class Settings:
     """One request's settings. block_size `b`: the drafter proposes `b - 1` tokens a round (`2 <= b <= B`, the
     drafter's trained block size); coverage `C` and fanout `F`: the asynchronous budget; temperature 0 is greedy;
-    lookup: prompt lookup beside the drafter (the hybrid: each round verifies the proposal expected to keep more,
-    `policy_d3d`)."""
+    lookup: prompt lookup beside the drafter (the hybrid: each round verifies the proposal expected to keep more);
+    policy: the verify policy (`policy_d3d`: each round verifies what is expected to pay, nothing included; off: the
+    drafter's block every round, the paper's rule)."""
 
     block_size: int
     coverage: int
@@ -38,6 +39,7 @@ class Settings:
     temperature: float
     max_new_tokens: int
     lookup: bool = False
+    policy: bool = True
 
 
 def default_settings(trained_block_size: int, max_new_tokens: int = 128) -> Settings:
@@ -58,6 +60,8 @@ def check_settings(settings: Settings, trained_block_size: int) -> None:
         problems.append(f"temperature must be in 0..{MAX_TEMPERATURE} (0 is greedy)")
     if not 1 <= settings.max_new_tokens <= MAX_NEW_TOKENS:
         problems.append(f"max new tokens must be in 1..{MAX_NEW_TOKENS}")
+    if settings.lookup and not settings.policy:
+        problems.append("prompt lookup needs the verify policy (it decides when a lookup is worth verifying)")
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -261,8 +265,9 @@ def warm_up(target, drafter, tokenizer, prompt: str) -> tuple[LiveDecode, LiveDe
     """Decode `prompt` both ways (the target alone, then D3D async) at the page's defaults for two blocks, so that
     the first visitor's timings and speedup do not include one-time costs (the first pass of each shape, kernel and
     allocator set-up), which would fall on the target alone, decoded first. Returns the finished
-    `(target_alone, d3d)`."""
-    settings = default_settings(drafter.config.block_size, max_new_tokens=2 * drafter.config.block_size)
+    `(target_alone, d3d)`. D3D drafts every round here (the policy off), so the drafter's passes are warmed too."""
+    settings = replace(default_settings(drafter.config.block_size, max_new_tokens=2 * drafter.config.block_size),
+                       policy=False)
     alone = d3d = None
     for alone, d3d in compare_live(target, drafter, tokenizer, prepare_request(target, drafter, tokenizer, prompt,
                                                                                settings), settings):
@@ -274,19 +279,21 @@ def decode_live(target, drafter, tokenizer, prompt_ids: torch.LongTensor, settin
                 draft: bool = True) -> Iterator[LiveDecode]:
     """Decode `prompt_ids` `(1, L)` with the drafter's `SpeculativeEngine`, one round per step: with `drafter`
     through a `SuccessorSource` (coverage, fanout; `block_size - 1` drafts a round; with `settings.lookup` prompt
-    lookup beside it, chosen per round by the verify policy), or the target alone (`draft=False`). Yields the `LiveDecode` after every round, finished (`done`) on the last yield. Closing the
+    lookup beside it; with `settings.policy` the verify policy chooses each round what is verified), or the target alone
+    (`draft=False`). Yields the `LiveDecode` after every round, finished (`done`) on the last yield. Closing the
     iterator stops after the current round; an error of a round reaches the consumer."""
     modules = engine_modules(drafter)
     source, chooser = None, {}
     if draft:
         source = modules.sources.SuccessorSource(drafter, settings.coverage, settings.fanout,
                                                  max_drafts=settings.block_size - 1)
-        if settings.lookup:
-            if modules.policy is None:
-                source.close()
-                raise ValueError("This drafter's code predates prompt lookup: save it again with this project")
-            lookup, policy = modules.policy.make_chooser(settings.block_size - 1, None, drafter.config.block_size)
+        if modules.policy is not None:  # the verify policy, as every front door runs it
+            lookup, policy = modules.policy.make_chooser(settings.block_size - 1 if settings.lookup else False,
+                                                         settings.policy, drafter.config.block_size)
             chooser = {"lookup": lookup, "policy": policy}
+        elif settings.lookup:
+            source.close()
+            raise ValueError("This drafter's code predates prompt lookup: save it again with this project")
     engine = modules.engine.SpeculativeEngine(target, source, max_length=prompt_ids.shape[1] + settings.max_new_tokens,
                                               **chooser)
     live = LiveDecode(tokenizer, engine.record)

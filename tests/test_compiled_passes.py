@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import left_pad, tiny_target
+from policies import EveryChoice
 from modeling_d3d import D3DForBlockDiffusion, RoundRecord
 from modeling_d3d.generation_d3d import speculative_generate
 from modeling_d3d.shapes_d3d import COMPILE_LENGTH_BUCKET, engine_size
@@ -40,10 +41,13 @@ def ragged_settings(target, ids, mask, max_new_tokens: int) -> dict:
     return dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos)
 
 
-def decode(target, drafter, ids, mask, settings: dict, asynchronous: bool, record: RoundRecord | None = None):
+def decode(target, drafter, ids, mask, settings: dict, asynchronous: bool, record: RoundRecord | None = None,
+           policy=False):
+    """Compiled D3D; policy: the drafter's block every round unless given (the default policy's choices follow
+    measured times)."""
     return target.generate(ids, attention_mask=mask, custom_generate=speculative_generate, drafter=drafter,
                            asynchronous=asynchronous, coverage=COVERAGE, fanout=FANOUT, compile=True,
-                           round_record=record, **settings)
+                           round_record=record, policy=policy, **settings)
 
 
 class ShapeLog:
@@ -74,9 +78,10 @@ def test_the_fixed_shape_path_eager_is_token_identical_and_its_shapes_change_onl
     """The CUDA-graph path (fixed shapes: rows padded to a power-of-two slot count >= 2, the cache to a 256-column
     bucket, drafting widths to their largest round, every cache column attended), forced on a CPU without
     compiling: token-identical to the target's own `generate` on ragged batches of 3 and 1 rows and rows ending at
-    different rounds; within a call every pass kind has exactly one shape, set by the buckets; each forward is
-    called from one thread (the successor pass from the drafter's worker, the others from the caller); the second
-    call of the same buckets reuses the same caches."""
+    different rounds, each round verifying nothing or the drafter's block by turns (`policies.EveryChoice`); within
+    a call every pass kind has exactly one shape, set by the buckets (the verify pass two: one column when no row
+    verifies drafts, else B); each forward is called from one thread (the successor pass from the drafter's worker,
+    the others from the caller); the second call of the same buckets reuses the same caches."""
     target, drafter = pair()
     held = {model: CompiledPasses(model, fixed=True, compile=False) for model in (target, drafter)}
     for model, passes in held.items():
@@ -84,13 +89,13 @@ def test_the_fixed_shape_path_eager_is_token_identical_and_its_shapes_change_onl
     kinds = ["verify", "block"] + (["successor"] if asynchronous else [])
     try:
         log = ShapeLog().watch(held[target], "verify").watch(held[drafter], "block", "successor")
-        buffers = {}
+        buffers, narrow_calls = {}, 0
         for lengths, seed, max_new in (([5, 11, 3], 0, 14), ([9], 1, 10), ([4, 7, 12], 2, 14)):
             ids, mask = prompts(lengths, seed)
             settings = ragged_settings(target, ids, mask, max_new)
             record = RoundRecord()
             log.calls.clear()
-            output = decode(target, drafter, ids, mask, settings, asynchronous, record)
+            output = decode(target, drafter, ids, mask, settings, asynchronous, record, EveryChoice(BLOCK))
             assert torch.equal(output, target.generate(ids, attention_mask=mask, **settings)), lengths
             if len(lengths) > 1:
                 finished = [i for i, (outcomes, _) in enumerate(record.history) for o in outcomes if o.finished]
@@ -99,7 +104,11 @@ def test_the_fixed_shape_path_eager_is_token_identical_and_its_shapes_change_onl
             assert (slots, length) == (4 if len(lengths) == 3 else 2, COMPILE_LENGTH_BUCKET)
             target_columns = length + BLOCK
             drafter_columns = length + 1 + (2 if not asynchronous else (COVERAGE - 1) * FANOUT + 4) * BLOCK
-            expected = {"verify": {((slots, BLOCK), (slots, 1, BLOCK, target_columns))},
+            narrow = {((slots, 1), (slots, 1, 1, target_columns))}  # rounds where every row verified nothing
+            if not any(all(o.verified == "nothing" for o in outcomes) for outcomes, _ in record.history):
+                narrow = set()
+            narrow_calls += bool(narrow)
+            expected = {"verify": {((slots, BLOCK), (slots, 1, BLOCK, target_columns))} | narrow,
                         "block": {((slots, 2 * BLOCK), (slots, 1, 2 * BLOCK, drafter_columns))}}
             width = 2 * BLOCK + ((COVERAGE - 1) * FANOUT + 1) * BLOCK
             expected["successor"] = {((slots, width), (slots, 1, width, drafter_columns))}
@@ -109,6 +118,7 @@ def test_the_fixed_shape_path_eager_is_token_identical_and_its_shapes_change_onl
                       if c.slots == slots]
             assert len(pooled) == 1
             assert buffers.setdefault(slots, pooled[0]) == pooled[0]  # the same buckets: the same cache buffers
+        assert narrow_calls >= 1
         main = threading.current_thread()
         assert not held[drafter].forwards["successor"].threads or asynchronous
         for passes in held.values():
@@ -192,7 +202,7 @@ def test_the_bounds_compiled_passes_are_the_graphs_the_engine_runs():
         measured = [len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code)) for code in codes]
         assert all(measured), measured
         ids, mask = prompts([7], 5)
-        for source in ({}, {"drafter": drafter}):
+        for source in ({}, {"drafter": drafter, "policy": False}):  # D3D sync: the block every round
             output = target.generate(ids, attention_mask=mask, custom_generate=speculative_generate, compile=True,
                                      max_new_tokens=10, do_sample=False, **source)
             assert torch.equal(output, target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False))
@@ -226,7 +236,7 @@ def test_the_bounds_fixed_shape_passes_have_the_engines_shapes():
         before = pooled()
         log.calls.clear()
         ids, mask = prompts([7], 5)
-        for source in ({}, {"drafter": drafter}):
+        for source in ({}, {"drafter": drafter, "policy": False}):  # D3D sync: the block every round
             output = target.generate(ids, attention_mask=mask, custom_generate=speculative_generate, compile=True,
                                      max_new_tokens=10, do_sample=False, **source)
             assert torch.equal(output, target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False))

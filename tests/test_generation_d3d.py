@@ -63,12 +63,13 @@ def test_the_cases_cover_eos_inside_a_block_short_outputs_and_the_position_limit
     assert 3 <= sum(stopped) < len(cases)  # some rows stop at EOS before max_new_tokens, most do not
 
 
-ENGINE_PATHS = {
-    "sync": dict(),
-    "async-C1-F0": dict(asynchronous=True, coverage=1, fanout=0),
-    "async-C2-F3": dict(asynchronous=True, coverage=2, fanout=3),
-    "async-C3-F2": dict(asynchronous=True, coverage=3, fanout=2),
-    "async-Cmax-F1": dict(asynchronous=True, fanout=1),
+ENGINE_PATHS = {  # policy=False: the drafter's block every round (the default policy may skip a random drafter)
+    "sync": dict(policy=False),
+    "async-C1-F0": dict(asynchronous=True, coverage=1, fanout=0, policy=False),
+    "async-C2-F3": dict(asynchronous=True, coverage=2, fanout=3, policy=False),
+    "async-C3-F2": dict(asynchronous=True, coverage=3, fanout=2, policy=False),
+    "async-Cmax-F1": dict(asynchronous=True, fanout=1, policy=False),
+    "sync-default": dict(),  # the front door's default: the verify policy
     "sync-policy": dict(policy=True, lookup=True),
     "sync-every-choice": dict(lookup=True),
     "async-every-choice": dict(asynchronous=True, coverage=3, fanout=2, lookup=True),
@@ -113,7 +114,7 @@ def test_greedy_output_is_token_identical_to_the_targets_own_generate(setup, pat
                 if max_new > 1:
                     accepted |= set(generator.settle(out).accepted)
         assert torch.equal(out, reference), (path, index, ids.shape[1], max_new, eos)
-    if path != "target-alone":
+    if path not in ("target-alone", "sync-default"):  # the default's choices follow measured times
         assert 1 in accepted and max(accepted) >= 3  # rejections and multi-token acceptances both happened
     if "every-choice" in path or path == "lookup-alone":
         assert verified == ({"nothing", "lookup"} if path == "lookup-alone" else {"nothing", "block", "lookup"})
@@ -185,7 +186,8 @@ def run_path(path: str, target, drafter, ids: torch.Tensor, **kwargs) -> tuple[t
         result = drafter.speculative_generate(target, ids, selective_prefill=0.5, chunk_size=4, **kwargs)
         return result.output, result.prompt_ids, result.stats
     record = RoundRecord()
-    settings = dict(asynchronous=True, coverage=3, fanout=2) if path == "async" else {}
+    # the drafter's block every round (the default policy's choices follow measured times)
+    settings = dict(asynchronous=True, coverage=3, fanout=2, policy=False) if path == "async" else dict(policy=False)
     if path == "every-choice":
         settings = dict(lookup=True, policy=EveryChoice(drafter.config.block_size))
     if "stop_strings" in kwargs:  # generate drops `tokenizer=` before a custom_generate callable: the front door
@@ -252,12 +254,12 @@ def test_stop_conditions_on_random_prompts_are_token_identical_to_the_target_alo
             token = chosen[0][0]
             ids, mask = left_pad(prompts, pad=PAD)  # a pad id no prompt holds (generate infers masks from it)
             kwargs = dict(max_new_tokens=16, do_sample=False, pad_token_id=PAD, **stop_kwargs(kind, token))
-            out = drafter.generate_batch(target, ids, attention_mask=mask, **kwargs)
+            out = drafter.generate_batch(target, ids, attention_mask=mask, policy=False, **kwargs)
             for row, prompt in enumerate(prompts):
                 reference = target.generate(prompt[None], **kwargs)[0, len(prompt) :].tolist()
                 assert out[row, ids.shape[1] : ids.shape[1] + len(reference)].tolist() == reference, (seed, row)
                 compared += 1
-            free = drafter.generate_batch(target, prompts[0][None], max_new_tokens=16, do_sample=False)
+            free = drafter.generate_batch(target, prompts[0][None], max_new_tokens=16, do_sample=False, policy=False)
             inside += stop_inside_a_round(drafter.generation_stats, chosen[0][1])
             continue
         for prompt, (token, position) in zip(prompts, chosen):

@@ -218,4 +218,11 @@ def test_a_policy_is_kept_on_its_model_per_block_size_and_mode():
     _, compiled = make_chooser(False, True, 4, drafter, compiled=True)
     assert eager is again and compiled is not eager
     assert make_chooser(False, True, 4)[1] is not eager  # no holder: a new one
-    assert make_chooser(False, None, 4, drafter) == (None, None)
+
+
+def test_the_policy_is_on_by_default_with_a_drafter_or_a_lookup_and_off_when_asked():
+    drafter = D3DForBlockDiffusion.from_backbone(tiny_target(0, vocab_size=16), block_size=4).eval()
+    assert make_chooser(False, None, 4, drafter)[1] is make_chooser(False, True, 4, drafter)[1] is not None
+    assert isinstance(make_chooser(True, None, None)[1], VerifyPolicy)  # lookup without a drafter
+    assert make_chooser(False, False, 4, drafter) == (None, None)  # the paper's rule: the whole block every round
+    assert make_chooser(False, None, None) == (None, None)  # the target alone: nothing to choose

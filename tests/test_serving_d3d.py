@@ -42,7 +42,8 @@ def prompts(count: int, seed: int = 0) -> list[list[int]]:
 def test_concurrent_requests_stream_their_own_tokens(models, asynchronous, chooser):
     """With `chooser`, rows verify nothing, the drafter's block or a lookup by turns (`policies.EveryChoice`)."""
     target, drafter = models
-    settings = dict(lookup=True, policy=EveryChoice(drafter.config.block_size)) if chooser else {}
+    # without the chooser: the drafter's block every round (the default policy's choices follow measured times)
+    settings = dict(lookup=True, policy=EveryChoice(drafter.config.block_size)) if chooser else dict(policy=False)
     requests = prompts(7)
     handles, chunks = [None] * len(requests), [[] for _ in requests]
 
@@ -83,7 +84,7 @@ def test_cancelling_one_request_leaves_the_others_unchanged(models):
     requests = prompts(4, seed=1)
 
     def run(cancel: bool) -> dict:
-        with D3DBatchServer(target, drafter, max_batch_size=4) as server:
+        with D3DBatchServer(target, drafter, max_batch_size=4, policy=False) as server:  # seeded draws: see above
             handles = [server.submit(p, max_new_tokens=30, do_sample=i % 2 == 1, temperature=0.8, seed=i)
                        for i, p in enumerate(requests)]
             if cancel:
@@ -245,11 +246,12 @@ def test_a_requests_own_eos_reaches_the_processors_that_need_it(models):
 @pytest.mark.parametrize("asynchronous", [False, True])
 def test_a_seeded_request_samples_the_same_tokens_alone_and_batched(models, asynchronous):
     """A request's random draws come from its own generators only: the tokens of a seeded request do not depend on
-    which others share its batch (async rounds where its branches hit and a companion's miss included)."""
+    which others share its batch (async rounds where its branches hit and a companion's miss included), with the
+    drafter's block every round (the default policy decides per round for the batch, from measured times)."""
     target, drafter = models
     requests = prompts(4, seed=11)
     settings = dict(max_new_tokens=40, do_sample=True, temperature=1.5)
-    with D3DBatchServer(target, drafter, max_batch_size=4, asynchronous=asynchronous) as server:
+    with D3DBatchServer(target, drafter, max_batch_size=4, asynchronous=asynchronous, policy=False) as server:
         solo = server.submit(requests[0], seed=7, **settings).result(timeout=WAIT)
         with server._condition:  # all four join the same first batch
             handles = [server.submit(p, seed=7 if i == 0 else 100 + i, **settings) for i, p in enumerate(requests)]

@@ -27,7 +27,8 @@ from gradio_client import Client  # noqa: E402  (after the skip above)
 
 from space_app.app import build_demo  # noqa: E402
 
-GREEDY = Settings(block_size=BLOCK_SIZE, coverage=4, fanout=2, temperature=0.0, max_new_tokens=40)
+# the drafter's block every round (the default verify policy's choices follow measured times)
+GREEDY = Settings(block_size=BLOCK_SIZE, coverage=4, fanout=2, temperature=0.0, max_new_tokens=40, policy=False)
 
 
 @pytest.fixture(scope="module")
@@ -143,11 +144,12 @@ def test_an_error_while_generating_reaches_the_consumer(space_models):
 
 def test_a_smaller_block_drafts_fewer_tokens_and_stays_lossless(space_models):
     target, drafter, tokenizer = space_models
-    settings = Settings(block_size=3, coverage=4, fanout=2, temperature=0.0, max_new_tokens=30)
+    settings = Settings(block_size=3, coverage=4, fanout=2, temperature=0.0, max_new_tokens=30, policy=False)
     prompt_ids = prepare_request(target, drafter, tokenizer, PROMPT, settings)
     *_, (alone, d3d) = compare_live(target, drafter, tokenizer, prompt_ids, settings)
     assert d3d.tokens == alone.tokens == greedy_text(target, tokenizer, PROMPT, 30)[0]
     assert max(d3d.accepted_lengths) <= 3 and len(d3d.rounds) < len(alone.rounds)
+    assert all(round_.served != "no draft" for round_ in d3d.rounds)  # the block every round
 
 
 def test_prompt_lookup_beside_the_drafter_stays_lossless_and_colours_its_tokens(space_models):
@@ -182,6 +184,7 @@ def test_sampling_decodes_the_requested_number_of_tokens(space_models):
         ({"temperature": -0.1}, "temperature must be in 0..2.0"),
         ({"max_new_tokens": 0}, "max new tokens must be in 1..512"),
         ({"max_new_tokens": 513}, "max new tokens must be in 1..512"),
+        ({"lookup": True, "policy": False}, "prompt lookup needs the verify policy"),
     ],
 )
 def test_out_of_range_settings_are_refused_with_a_message(changes, message):
