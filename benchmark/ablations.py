@@ -119,10 +119,12 @@ def pruning_curve(drafter, output: Path, steps: int, train_data, prompts, target
 
 
 def per_prompt_tau(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int) -> list[float]:
+    """τ per prompt, greedy, the drafter's block every round (`policy=False`: the variant's own acceptance)."""
     taus = []
     for prompt in prompts:
         run = MethodRun("d3d")
-        decode_one(target, prompt, max_new_tokens, run, custom_generate=speculative_generate, drafter=drafter)
+        decode_one(target, prompt, max_new_tokens, run, custom_generate=speculative_generate, drafter=drafter,
+                   policy=False)
         taus.append(run.tau)
     return taus
 

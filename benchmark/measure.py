@@ -115,10 +115,12 @@ def decode_one(target, prompt: torch.Tensor, max_new_tokens: int, run: MethodRun
 
 
 def acceptance_length(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int, desc: str = "tau") -> float:
-    """Mean acceptance length τ of `drafter` for `target` over `prompts`, greedy, through the engine."""
+    """Mean acceptance length τ of `drafter` for `target` over `prompts`, greedy, through the engine, the drafter's
+    block verified every round (`policy=False`: the drafter's own acceptance, not the verify policy's choices)."""
     run = MethodRun("d3d")
     for prompt in tqdm(prompts, desc=desc, leave=False):
-        decode_one(target, prompt, max_new_tokens, run, custom_generate=speculative_generate, drafter=drafter)
+        decode_one(target, prompt, max_new_tokens, run, custom_generate=speculative_generate, drafter=drafter,
+                   policy=False)
     return run.tau
 
 

@@ -23,6 +23,7 @@ from .lookup_d3d import LookupSource, one_hot_logits
 from .sources_d3d import Proposal
 
 NOTHING, BLOCK, LOOKUP = "nothing", "block", "lookup"
+OUTLIER = 2.0  # a measured pass above this many times its estimate is counted as this many (see `_measure`)
 
 
 @dataclass
@@ -154,8 +155,13 @@ class VerifyPolicy:
         self.history.pop(key, None)
 
     def _measure(self, kind: str, rows: int, seconds: float) -> None:
+        """Smooth `seconds` into the cost of `kind` at `rows`; a round above `OUTLIER` times the estimate counts as
+        that much (a pause of the process, another program's burst: a cost the policy stops measuring once it skips
+        that pass must not jump on one slow round)."""
         old = self.measured.get((kind, rows))
-        self.measured[(kind, rows)] = seconds if old is None else old + self.smoothing * (seconds - old)
+        if old is not None:
+            seconds = old + self.smoothing * (min(seconds, OUTLIER * old) - old)
+        self.measured[(kind, rows)] = seconds
 
 
 DEFAULT_BLOCK_SIZE = 16  # the verify width of prompt lookup without a drafter

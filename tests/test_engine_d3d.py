@@ -69,7 +69,7 @@ def test_every_row_of_a_mixed_length_batch_equals_the_target_alone(asynchronous)
         prompts = [torch.randint(0, vocab, (n,), generator=generator) for n in lengths]
         ids, mask = left_pad(prompts)
         out = drafter.generate_batch(target, ids, attention_mask=mask, max_new_tokens=23, do_sample=False,
-                                     asynchronous=asynchronous)
+                                     asynchronous=asynchronous, policy=False)  # the block every round
         assert out.shape == (len(prompts), ids.shape[1] + 23)
         for row, prompt in enumerate(prompts):
             assert out[row, ids.shape[1] :].tolist() == alone(target, prompt, 23), (vocab, block, seed, row)
@@ -89,7 +89,7 @@ def test_generate_applies_its_sampling_processors_to_every_row():
     ids, mask = left_pad(prompts)
     torch.manual_seed(0)
     out = drafter.generate_batch(target, ids, attention_mask=mask, max_new_tokens=20, do_sample=True, top_k=1,
-                                 temperature=0.5)
+                                 temperature=0.5, policy=False)  # the block every round
     for row, prompt in enumerate(prompts):
         assert out[row, ids.shape[1] :].tolist() == alone(target, prompt, 20)
     assert max(drafter.generation_stats.accepted) >= 2
@@ -523,7 +523,7 @@ def test_the_round_record_of_a_generate_call_adds_up_to_its_output(path):
     record = RoundRecord()
     kwargs = dict(max_new_tokens=21, do_sample=False, eos_token_id=eos, pad_token_id=eos)
     target.generate(ids, attention_mask=mask, custom_generate=speculative_generate, round_record=record,
-                    drafter=None if path == "alone" else drafter, asynchronous=path == "async", **kwargs)
+                    drafter=None if path == "alone" else drafter, asynchronous=path == "async", policy=False, **kwargs)
     references = [alone(target, prompt, 21, eos_token_id=eos, pad_token_id=eos) for prompt in prompts]
     per_row = Counter()
     for outcomes, _ in record.history:

@@ -114,7 +114,7 @@ def test_greedy_output_is_token_identical_to_the_targets_own_generate(setup, pat
                 if max_new > 1:
                     accepted |= set(generator.settle(out).accepted)
         assert torch.equal(out, reference), (path, index, ids.shape[1], max_new, eos)
-    if path not in ("target-alone", "sync-default"):  # the default's choices follow measured times
+    if path not in ("target-alone", "sync-default", "sync-policy"):  # the policy's choices follow measured times
         assert 1 in accepted and max(accepted) >= 3  # rejections and multi-token acceptances both happened
     if "every-choice" in path or path == "lookup-alone":
         assert verified == ({"nothing", "lookup"} if path == "lookup-alone" else {"nothing", "block", "lookup"})
@@ -183,7 +183,7 @@ def test_stop_string_criteria_passed_to_custom_generate_directly_are_lossless():
 def run_path(path: str, target, drafter, ids: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor, RoundRecord]:
     """The output, the prompt the target read (reduced under selective prefill) and the round record."""
     if path == "selective-prefill":
-        result = drafter.speculative_generate(target, ids, selective_prefill=0.5, chunk_size=4, **kwargs)
+        result = drafter.speculative_generate(target, ids, selective_prefill=0.5, chunk_size=4, policy=False, **kwargs)
         return result.output, result.prompt_ids, result.stats
     record = RoundRecord()
     # the drafter's block every round (the default policy's choices follow measured times)

@@ -226,3 +226,17 @@ def test_the_policy_is_on_by_default_with_a_drafter_or_a_lookup_and_off_when_ask
     assert isinstance(make_chooser(True, None, None)[1], VerifyPolicy)  # lookup without a drafter
     assert make_chooser(False, False, 4, drafter) == (None, None)  # the paper's rule: the whole block every round
     assert make_chooser(False, None, None) == (None, None)  # the target alone: nothing to choose
+
+
+def test_one_slow_round_does_not_make_a_drafter_that_pays_look_too_costly():
+    """A pause of the process during one drafting pass (100x its cost) moves the estimate by at most `smoothing`
+    times the estimate: the policy keeps the block, which it would skip (and stop re-measuring) if the pause counted
+    in full."""
+    policy = VerifyPolicy(16, pooling=0.0)
+    keys = [0]
+    for seconds in (0.01, 0.01, 1.0):  # drafter passes: two ordinary ones, then one 100x slower
+        plan = RoundPlan([BLOCK], True, 16)
+        policy.observe(keys, plan, [3], 0.02, seconds)
+    policy.observe(keys, RoundPlan([NOTHING], False, 1), [0], 0.015, 0.0)
+    assert policy.cost("drafter", 1) <= 0.01 * (1 + policy.smoothing) + 1e-12
+    assert plan_of(policy, [[]]) == [BLOCK]  # ~4 tokens per 0.03 s beat 1 per 0.015 s

@@ -131,7 +131,7 @@ def test_a_failing_batched_pass_fails_its_requests_and_the_server_goes_on(models
 
     hook = drafter.register_forward_pre_hook(explode, with_kwargs=True)
     try:
-        with D3DBatchServer(target, drafter, max_batch_size=2) as server:
+        with D3DBatchServer(target, drafter, max_batch_size=2, policy=False) as server:  # drafts every round
             requests = prompts(2, seed=3)
             first = [server.submit(p, max_new_tokens=8) for p in requests]
             failed = 0
@@ -362,7 +362,7 @@ def test_the_threads_that_build_and_feed_a_server_and_its_idle_scheduler_keep_no
     target, drafter = models
     CPUWorkerPools().release_own()
     builder = pool_of_this_thread()
-    with D3DBatchServer(target, drafter, asynchronous=asynchronous) as server:
+    with D3DBatchServer(target, drafter, asynchronous=asynchronous, policy=False) as server:  # the worker drafts
         assert builder and gone(builder, timeout=RELEASED), "the building thread's pool is released"
         submitter = pool_of_this_thread()
         before, kernel = task_ids(), ParallelKernel()

@@ -46,13 +46,15 @@ def drop_layer(drafter, index: int):
 
 
 def decoding_speed(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int) -> tuple[float, float, float]:
-    """(τ, D3D tokens/s, speedup over the target alone at its fastest) on `prompts`: D3D through the engine, the
-    target alone through plain `generate` and through the engine, interleaved per prompt."""
+    """(τ, D3D tokens/s, speedup over the target alone at its fastest) on `prompts`: D3D through the engine with the
+    drafter's block every round (`policy=False`, so stages compare as drafters, not as the verify policy's choices),
+    the target alone through plain `generate` and through the engine, interleaved per prompt."""
     generate, alone, d3d = MethodRun("target generate"), MethodRun("target alone, engine"), MethodRun("d3d")
     for prompt in tqdm(prompts, desc="speed", leave=False):
         decode_one(target, prompt, max_new_tokens, generate)
         decode_one(target, prompt, max_new_tokens, alone, custom_generate=speculative_generate, drafter=None)
-        decode_one(target, prompt, max_new_tokens, d3d, custom_generate=speculative_generate, drafter=drafter)
+        decode_one(target, prompt, max_new_tokens, d3d, custom_generate=speculative_generate, drafter=drafter,
+                   policy=False)
     fastest = max(generate.tokens_per_second, alone.tokens_per_second)
     return d3d.tau, d3d.tokens_per_second, d3d.tokens_per_second / fastest
 
