@@ -111,8 +111,10 @@ def markdown(results: dict) -> str:
     lines += [
         "", "Speedup: over the fastest target-alone baseline; vs generate: over plain `target.generate`. ms/round = "
         "verify + exposed draft + overhead (host work, prefill, `generate` setup), from the engine's round record "
-        "(other methods: the total only, rounds counted by a streamer). Ideal sync τ·t_T(1)/(t_T(B) + t_D(B)), ideal "
-        f"async τ·t_T(1)/t_T(B), with the engine's passes over a {results.get('pass_prefix_length', 256)}-token "
+        "(other methods: the total only, rounds counted by a streamer). Ideal sync: the tokens at t_T(1) each over "
+        "the passes the rounds ran, a round that verified the drafter's block t_T(B) + t_D(B), a lookup t_T(B), "
+        "nothing t_T(1) (the block every round: τ·t_T(1)/(t_T(B) + t_D(B))); ideal async the same with drafting "
+        f"hidden (τ·t_T(1)/t_T(B)); with the engine's passes over a {results.get('pass_prefix_length', 256)}-token "
         "prefix (reached: the speedup over the target alone through the engine in the same mode, over the bound):",
         *_passes(results), "",
         f"Measured on: {results.get('hardware', 'hardware not recorded')}; dtype: {results.get('dtype', 'not recorded')}.",

@@ -25,8 +25,9 @@ from .loading import load_target
 QUICKSTART_OUTPUT = Path("d3d-output")
 RANDOM_BLOCK_SIZE, RANDOM_VOCAB_SIZE = 16, 16
 RANDOM_NOTE = (
-    "Random models: a random drafter agrees with a random target on almost nothing (tau near 1), so D3D is slower "
-    "here; `d3d quickstart` trains real ones into d3d-output/ (about 20-25 min on a CPU) and `d3d demo` then uses them."
+    "Random models: a random drafter agrees with a random target on almost nothing (tau near 1), so the verify policy "
+    "soon verifies nothing but the target's token and D3D runs at about the target's speed, no faster; "
+    "`d3d quickstart` trains real ones into d3d-output/ (about 20-25 min on a CPU) and `d3d demo` then uses them."
 )
 SPEEDUP_NOTE = (
     "speedup: tokens/s over the target's own greedy `generate` (Hugging Face transformers, no drafter) on the same "
