@@ -99,8 +99,8 @@ def concurrency_benchmark(
 ) -> dict:
     """For each concurrency level, on the same groups (interleaved group by group, so machine drift hits all alike):
     tokens/s of the target's batched greedy decoding, of batched D3D (sync, the verify policy on as every front door
-    runs it; and sync with it off, the drafter's whole block every round: "fixed"), of batched D3D with asynchronous drafting at budget (coverage, fanout) and of the batch server
-    (sync); speedups over the first; τ (tokens per row
+    runs it; and sync with it off, the drafter's whole block every round: "fixed"), of batched D3D with asynchronous
+    drafting at budget (coverage, fanout) and of the batch server (sync); speedups over the first; τ (tokens per row
     per round), batched rounds, cache-hit rate, and whether every D3D row equals the baseline's. Returns what
     `concurrency.json` holds."""
     config = target.generation_config
@@ -174,7 +174,8 @@ def plot(results: dict, path: Path) -> None:
     figure, axis = plt.subplots(figsize=(7, 4))
     axis.plot(levels, [row["baseline_tokens_per_second"] for row in results["levels"]], "o-", label="target batched greedy")
     axis.plot(levels, [row["sync"]["tokens_per_second"] for row in results["levels"]], "s-", label="D3D sync")
-    axis.plot(levels, [row["fixed"]["tokens_per_second"] for row in results["levels"]], "v-", label="D3D sync, fixed block")
+    axis.plot(levels, [row["fixed"]["tokens_per_second"] for row in results["levels"]], "v-",
+              label="D3D sync, fixed block")
     axis.plot(levels, [row["async"]["tokens_per_second"] for row in results["levels"]], "^-", label="D3D async")
     axis.plot(levels, [row["server"]["tokens_per_second"] for row in results["levels"]], "d-", label="D3D server")
     axis.set_xlabel("concurrent requests")

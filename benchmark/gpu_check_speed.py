@@ -302,8 +302,9 @@ def memory_check(context: Context):
     base = torch.cuda.memory_allocated(device)
     prompt_length = min(s.prefix, s.server_length // 2)
     ids, _ = random_prompts([prompt_length] * s.server_rows, s.vocab, "cpu", seed=6)
+    # policy=False: every round drafts, so the peak holds the successor pass's logits
     with drafter.batch_server(target, max_batch_size=s.server_rows, asynchronous=True, coverage=s.coverage,
-                              fanout=s.fanout, max_length=s.server_length, policy=False) as server:  # every round drafts: the peak
+                              fanout=s.fanout, max_length=s.server_length, policy=False) as server:
         handles = [server.submit(row.tolist(), max_new_tokens=2 * s.block_size) for row in ids]
         for handle in handles:
             handle.result(timeout=300)

@@ -106,8 +106,9 @@ def speculative_generate(
     fill (also left in `drafter.generation_stats`). lookup: prompt lookup in the engine (True, or the most drafts a
     lookup proposes; works without a drafter); policy: what each row verifies each round is chosen for the most
     tokens per second (None or True, the default: the `policy_d3d.VerifyPolicy` kept on the drafter; a
-    `VerifyPolicy`; False: the drafter's whole block every round, the paper's rule); see `policy_d3d.make_chooser`. verification: how sampled rows judge their drafts,
-    "block" (block verification) or "token" (token by token, the paper's rule). streamer: as generate passes it (it has put the prompt already);
+    `VerifyPolicy`; False: the drafter's whole block every round, the paper's rule); see `policy_d3d.make_chooser`.
+    verification: how sampled rows judge their drafts, "block" (block verification) or "token" (token by token, the
+    paper's rule). streamer: as generate passes it (it has put the prompt already);
     d3d_streamer: the same from a front door (`front_door_kwargs`: generate drops `streamer=` before calling a
     callable), which gets the prompt here.
     Returns `(batch, P + longest)` sequences, rows that end early padded with `pad_token_id` (or a
