@@ -51,7 +51,8 @@ class RowHistory:
 class VerifyPolicy:
     """Maximises expected tokens per second (see the module docstring). block_size: the verify width `B`; smoothing:
     the weight of the newest observation in every average; probe_every: rounds a row may go without verifying the
-    drafter's block (doubled after each probe that kept nothing, up to 8x, and reset by one that kept a draft);
+    drafter's block, or a lookup it found (each doubled after a probe of its kind that kept nothing, up to 8x, and
+    reset by one that kept a draft: `interval`, `lookup_interval`);
     costs: seconds per kind of pass (`"narrow"`, `"wide"`, `"drafter"`) to use instead of measured ones (then
     decisions do not depend on timing: reproducible rounds); pooling: the weight of the drafter's pooled acceptance
     (`priors`: the mean over every row and round, its start counted as one round, moving by at least
@@ -71,6 +72,7 @@ class VerifyPolicy:
     priors: dict[str, float] = field(default_factory=dict)
     pooled_rounds: dict[str, int] = field(default_factory=dict)
     interval: int = 0
+    lookup_interval: int = 0
 
     def __post_init__(self):
         if not 0 < self.smoothing <= 1:
@@ -82,6 +84,7 @@ class VerifyPolicy:
             raise ValueError(f"probe_every must be an integer >= 1, got {self.probe_every!r}")
         self.priors = self.priors or {BLOCK: (self.block_size - 1) / 2, LOOKUP: (self.block_size - 1) / 2}
         self.interval = self.interval or self.probe_every
+        self.lookup_interval = self.lookup_interval or self.probe_every
 
     def cost(self, kind: str, rows: int) -> float:
         """Seconds of a pass of `kind` over `rows` rows: given, measured, or (not measured yet) the cheapest it can
@@ -124,9 +127,9 @@ class VerifyPolicy:
             if any(probes):
                 options = [(0.0, 3, [BLOCK if probe else choice for probe, choice in zip(probes, choices)])]
         _, _, choices = max(options, key=lambda option: option[:2])
-        # a row that found a continuation but has not verified one for `probe_every` rounds verifies it (its
+        # a row that found a continuation but has not verified one for `lookup_interval` rounds verifies it (its
         # estimate, learnt only from verified lookups, would otherwise never come back up)
-        choices = [LOOKUP if found and choice == NOTHING and h.since_lookup >= self.probe_every else choice
+        choices = [LOOKUP if found and choice == NOTHING and h.since_lookup >= self.lookup_interval else choice
                    for choice, found, h in zip(choices, lookups, history)]
         verifies = any(choice != NOTHING for choice in choices)
         return RoundPlan(choices, BLOCK in choices, self.block_size if verifies else 1)
@@ -142,6 +145,9 @@ class VerifyPolicy:
             history = self.row(key)
             if choice == BLOCK and history.since_block >= self.interval:  # a probe: back off while they keep nothing
                 self.interval = self.probe_every if accepted else min(2 * self.interval, 8 * self.probe_every)
+            if choice == LOOKUP and history.since_lookup >= self.lookup_interval:  # a lookup probe: the same
+                self.lookup_interval = self.probe_every if accepted else min(2 * self.lookup_interval,
+                                                                             8 * self.probe_every)
             history.since_block = 0 if choice == BLOCK else history.since_block + 1
             history.since_lookup = 0 if choice == LOOKUP else history.since_lookup + 1
             if choice in (BLOCK, LOOKUP):

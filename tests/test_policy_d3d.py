@@ -110,15 +110,20 @@ def test_a_row_in_a_hard_stretch_keeps_a_good_drafter_while_its_pooled_rate_says
         assert plan_of_keys(policy, [99]) == [expected], pooling
 
 
-def test_a_row_that_skipped_its_lookups_verifies_one_again_after_probe_every_rounds():
+def test_a_row_that_skipped_its_lookups_verifies_one_again_less_often_while_probes_keep_nothing():
     policy = VerifyPolicy(16, probe_every=4, costs={"narrow": 1.0, "wide": 2.0, "drafter": 1.0})
     policy.row(0).lookup = 0.0  # its lookups kept nothing so far: not worth a wide pass
     choices = []
-    for _ in range(5):
+    for _ in range(19):
         plan = policy.plan([0], [[3, 4]], False)
         policy.observe([0], plan, [0], 1.0, 0.0)
         choices.append(plan.choices[0][0])
-    assert "".join(choices) == "nnnnl"
+    # a probe after 4 skipped rounds, then 8 (the first kept nothing), then 16 (so far 4 + 1 + 8 + 1 + 5 rounds)
+    assert "".join(choices) == "nnnnl" + "nnnnnnnnl" + "nnnnn" and policy.lookup_interval == 16
+    policy.row(0).since_lookup = 16
+    plan = policy.plan([0], [[3, 4]], False)
+    policy.observe([0], plan, [1], 1.0, 0.0)
+    assert plan.choices == [LOOKUP] and policy.lookup_interval == 4  # a probe that kept a draft: back to 4
 
 
 def plan_of_keys(policy: VerifyPolicy, keys: list) -> list[str]:
