@@ -144,10 +144,9 @@ class VerifyPolicy:
         for key, choice, accepted in zip(keys, plan.choices, accepted_drafts):
             history = self.row(key)
             if choice == BLOCK and history.since_block >= self.interval:  # a probe: back off while they keep nothing
-                self.interval = self.probe_every if accepted else min(2 * self.interval, 8 * self.probe_every)
+                self.interval = self._backoff(self.interval, accepted)
             if choice == LOOKUP and history.since_lookup >= self.lookup_interval:  # a lookup probe: the same
-                self.lookup_interval = self.probe_every if accepted else min(2 * self.lookup_interval,
-                                                                             8 * self.probe_every)
+                self.lookup_interval = self._backoff(self.lookup_interval, accepted)
             history.since_block = 0 if choice == BLOCK else history.since_block + 1
             history.since_lookup = 0 if choice == LOOKUP else history.since_lookup + 1
             if choice in (BLOCK, LOOKUP):
@@ -155,6 +154,11 @@ class VerifyPolicy:
                 setattr(history, kind, getattr(history, kind) + rate * (accepted - getattr(history, kind)))
                 seen = self.pooled_rounds[kind] = self.pooled_rounds.get(kind, 0) + 1
                 self.priors[kind] += max(self.pool_smoothing, 1 / (seen + 1)) * (accepted - self.priors[kind])
+
+    def _backoff(self, interval: int, accepted: int) -> int:
+        """The rounds before the next probe of a kind after a probe that kept `accepted` drafts: back to
+        `probe_every` when it kept any, else doubled, at most 8x."""
+        return self.probe_every if accepted else min(2 * interval, 8 * self.probe_every)
 
     def forget(self, key) -> None:
         """Drop a row that left."""
