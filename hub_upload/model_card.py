@@ -5,9 +5,9 @@ from pathlib import Path
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from transformers import AutoConfig
 
-from benchmark.report import markdown
+from d3d.common.report import markdown
+from d3d.trainer.provenance import DrafterProvenance
 from modeling_d3d.versions_d3d import TRANSFORMERS_RANGE, requirement
-from trainer.provenance import DrafterProvenance
 
 # Hub datasets behind the benchmark's prompt sets (pydoc prose ships with Python and has no Hub id).
 DATASETS = {"humaneval": "openai/openai_humaneval", "pydoc": "pydoc_data"}

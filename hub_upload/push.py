@@ -19,7 +19,7 @@ from pathlib import Path
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, get_token
 from huggingface_hub.errors import HfHubHTTPError
 
-from cli.inputs import check_model_files
+from d3d.common.model_files import check_model_files
 
 from .model_card import build_model_card
 

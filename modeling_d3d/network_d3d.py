@@ -27,7 +27,7 @@ class D3DPackedOutput(ModelOutput):
         from block `k`'s masked position `j` (for `L_diff`).
     ar_hidden_states, diffusion_hidden_states: the same positions' final hidden states, `(..., hidden)` instead of
         `(..., vocab)`, given instead of the logits with `hidden_states_only=True` (the losses apply `lm_head` only
-        where they read it, see `trainer.losses`).
+        where they read it, see `d3d.trainer.losses`).
     """
 
     ar_logits: torch.FloatTensor | None = None

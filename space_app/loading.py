@@ -16,7 +16,7 @@ DEFAULT_QUEUE_SIZE = 16
 def add_arguments(parser: argparse.ArgumentParser, port: Callable[[str], int] = int,
                   count: Callable[[str], int] = int, device: Callable[[str], str] = str) -> None:
     """The Space's options; `port`, `count` (of requests) and `device` check those values as they are parsed
-    (`d3d space` passes `cli.inputs`' checks; the Space itself, with no project to import, plain conversions)."""
+    (`d3d space` passes `d3d.cli.inputs`' checks; the Space itself, with no project to import, plain conversions)."""
     parser.add_argument("--target", help=f"target folder or Hub id (else $D3D_TARGET, else {DEFAULT_TARGET})")
     parser.add_argument("--drafter", help=f"D3D drafter folder or Hub id (else $D3D_DRAFTER, else {DEFAULT_DRAFTER})")
     parser.add_argument("--device", type=device,
@@ -51,7 +51,7 @@ def load_models(target_source: str, drafter_source: str, target_device: str = "c
     """(target, drafter, tokenizer): the target causal LM and its tokenizer, the drafter through its remote code
     (`trust_remote_code`, as a Hub user loads it), checked to fit the target.
 
-    dtype: `d3d space` passes `cli.dtype.choose_dtype`'s; as a Space's root (the project not importable) None
+    dtype: `d3d space` passes `d3d.common.dtype.choose_dtype`'s; as a Space's root (the project not importable) None
     means bfloat16 on CUDA with native bf16, else float32 (the same rule without the CPU bf16 check)."""
     if dtype is None:
         cuda_bf16 = target_device.startswith("cuda") and torch.cuda.is_bf16_supported()

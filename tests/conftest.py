@@ -116,7 +116,7 @@ HIDE_PROJECT = textwrap.dedent(
 
     class RefuseProject(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in {"modeling_d3d", "trainer", "hub_upload", "space_app", "cli", "benchmark", "quickstart"}:
+            if name.split(".")[0] in {"modeling_d3d", "d3d", "trainer", "hub_upload", "space_app"}:
                 raise ModuleNotFoundError(f"{name} is hidden in this test")
             return None
 

@@ -9,8 +9,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from conftest import tiny_target, word_tokenizer
+from d3d.space_app.loading import load_models
 from modeling_d3d import D3DForBlockDiffusion
-from space_app.loading import load_models
 
 BLOCK_SIZE = 5
 PROMPT = "w1 w2 w3 w4"

@@ -18,9 +18,9 @@ from selenium import webdriver
 sys.path[:0] = [str(Path(__file__).parents[1]), str(Path(__file__).parent)]  # the project and its test helpers
 from space_helpers import served  # noqa: E402
 
-from space_app.app import EXAMPLES, build_demo  # noqa: E402
-from space_app.decoding import warm_up  # noqa: E402
-from space_app.loading import load_models  # noqa: E402
+from d3d.space_app.app import EXAMPLES, build_demo  # noqa: E402
+from d3d.space_app.decoding import warm_up  # noqa: E402
+from d3d.space_app.loading import load_models  # noqa: E402
 
 WIDTH = 1200
 STATE = "return document.querySelector('.d3d-text[data-column=d3d]').dataset.state"

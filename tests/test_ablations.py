@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from benchmark.ablations import Variant, paired_difference, parse_variants
+from d3d.quickstart.ablations import Variant, paired_difference, parse_variants
 
 
 def test_variants_parse_and_bad_ones_are_refused():

@@ -5,10 +5,10 @@ import json
 import math
 from collections import Counter
 
-from benchmark.bench import ideal_bounds
-from benchmark.measure import MethodRun
-from cli.main import main
 from conftest import tiny_target, word_tokenizer
+from d3d.benchmark.bench import ideal_bounds
+from d3d.cli.main import main
+from d3d.common.measure import MethodRun
 from modeling_d3d import D3DForBlockDiffusion
 from modeling_d3d.policy_d3d import BLOCK, LOOKUP, NOTHING
 

@@ -6,9 +6,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from benchmark.train_cost import SHAPES, full_logits_loss_terms, layer_activation_bytes, random_batch, random_drafter
-from cli.main import main
-from trainer.d3d_trainer import d3d_loss_terms, training_attention
+from d3d.benchmark.train_cost import (SHAPES, full_logits_loss_terms, layer_activation_bytes, random_batch,
+                                      random_drafter)
+from d3d.cli.main import main
+from d3d.trainer.d3d_trainer import d3d_loss_terms, training_attention
 
 
 def test_bench_train_measures_both_loss_paths_and_projects(tmp_path, capsys):

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from cli.demo import RANDOM_NOTE, SPEEDUP_NOTE
-from cli.main import main
 from conftest import demo_table, tiny_target, word_tokenizer
+from d3d.cli.demo import RANDOM_NOTE, SPEEDUP_NOTE
+from d3d.cli.main import main
 
 ROOT = Path(__file__).parents[1]
 
@@ -34,8 +34,10 @@ def test_demo_refuses_half_given_models_and_random_only_settings(tmp_path):
 
 def test_bench_needs_no_training_extras():
     """`d3d bench --help` imports neither `datasets` nor the trainer (inference installs lack them)."""
-    code = "import sys; from cli.main import main\ntry:\n    main(['bench', '--help'])\nexcept SystemExit:\n    pass\nprint(sorted(m for m in ('datasets', 'trainer') if m in sys.modules))"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1])
+    code = ("import sys; from d3d.cli.main import main\n"
+            "try:\n    main(['bench', '--help'])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('datasets', 'd3d.trainer') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[]"
 
@@ -43,10 +45,11 @@ def test_bench_needs_no_training_extras():
 def test_an_unknown_command_imports_no_command_module():
     """`d3d generate --help` (no such command) and `d3d --help` answer without importing any command's module (each
     pulls in torch and transformers)."""
-    code = ("import sys; from cli.main import COMMANDS, main\n"
+    code = ("import sys; from d3d.cli.main import COMMANDS, main\n"
             "for argv in (['generate', '--help'], ['--help']):\n"
             "    assert main(argv) in (0, 2), argv\n"
-            "print(sorted(f'cli.{module}' for module, _ in COMMANDS.values() if f'cli.{module}' in sys.modules))")
+            "print(sorted(name for name in (f'd3d.cli.{module}' for module, _ in COMMANDS.values())"
+            " if name in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[]"
@@ -54,9 +57,9 @@ def test_an_unknown_command_imports_no_command_module():
 
 
 def d3d(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    """`python -m cli.main ARGS` in a fresh process, from `cwd`, with the project importable."""
+    """`python -m d3d ARGS` in a fresh process, from `cwd`, with the project importable."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True, timeout=300,
+    return subprocess.run([sys.executable, "-m", "d3d", *args], capture_output=True, text=True, timeout=300,
                           cwd=cwd, env=env)
 
 
@@ -92,7 +95,7 @@ def test_debug_shows_the_traceback(tmp_path):
 def test_an_internal_error_is_reported_as_a_bug_with_a_debug_hint_not_as_a_user_error(monkeypatch, capsys):
     """An internal invariant (RuntimeError, AssertionError) is not dressed as bad input: exit 1, `internal error`,
     a hint to rerun with --debug; with --debug, the exception itself."""
-    import cli.demo
+    import d3d.cli.demo
     import torch
     from transformers import Qwen3Config
 
@@ -104,7 +107,7 @@ def test_an_internal_error_is_reported_as_a_bug_with_a_debug_hint_not_as_a_user_
     def broken_run(args):  # a real internal invariant failing inside a command: a pass that does not fit its cache
         StaticKVCache(config, 1, 4, "cpu", torch.float32).plan(2, torch.zeros(2, 1, dtype=torch.long), 2)
 
-    monkeypatch.setattr(cli.demo, "run", broken_run)
+    monkeypatch.setattr(d3d.cli.demo, "run", broken_run)
     assert main(["demo"]) == 1
     error = capsys.readouterr().err
     assert error.startswith("d3d demo: internal error") and "RuntimeError" in error and "--debug" in error
@@ -113,7 +116,7 @@ def test_an_internal_error_is_reported_as_a_bug_with_a_debug_hint_not_as_a_user_
     def failed_assertion(args):
         assert False, "rows out of order"
 
-    monkeypatch.setattr(cli.demo, "run", failed_assertion)
+    monkeypatch.setattr(d3d.cli.demo, "run", failed_assertion)
     assert main(["demo"]) == 1 and "AssertionError: rows out of order" in capsys.readouterr().err
     with pytest.raises(AssertionError, match="rows out of order"):
         main(["--debug", "demo"])
@@ -200,9 +203,9 @@ def test_the_cli_defaults_are_the_library_defaults(tmp_path):
     """A setting's default has one owner: `d3d train` / `d3d prune` without the option run as the library does."""
     import inspect
 
-    from cli.main import build_parser
-    from trainer.d3d_trainer import D3DTrainingArguments
-    from trainer.pruning import prune
+    from d3d.cli.main import build_parser
+    from d3d.trainer.d3d_trainer import D3DTrainingArguments
+    from d3d.trainer.pruning import prune
 
     folder = str(tmp_path)
     parser = build_parser()

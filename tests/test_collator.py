@@ -2,9 +2,9 @@ import pytest
 import torch
 
 from conftest import tiny_qwen3_config
+from d3d.trainer.collator import D3DCollator
+from d3d.trainer.losses import IGNORE_INDEX
 from modeling_d3d.masking_d3d import block_layout, create_block_diffusion_mask
-from trainer.collator import D3DCollator
-from trainer.losses import IGNORE_INDEX
 
 BLOCK = 4
 

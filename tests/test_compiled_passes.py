@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from conftest import left_pad, tiny_target
-from policies import EveryChoice
 from modeling_d3d import D3DForBlockDiffusion, RoundRecord
-from modeling_d3d.generation_d3d import speculative_generate
-from modeling_d3d.shapes_d3d import COMPILE_LENGTH_BUCKET, engine_size
 from modeling_d3d.caches_d3d import StaticKVCache
-from modeling_d3d.successor_d3d import successor_pass
+from modeling_d3d.generation_d3d import speculative_generate
 from modeling_d3d.passes_d3d import PASS_KINDS, CompiledPasses, compiled_passes, prefill, release_compiled_passes
+from modeling_d3d.shapes_d3d import COMPILE_LENGTH_BUCKET, engine_size
+from modeling_d3d.successor_d3d import successor_pass
+from policies import EveryChoice
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -191,7 +191,7 @@ def test_the_bounds_compiled_passes_are_the_graphs_the_engine_runs():
     on caches of a compiled engine's size: the engine's calls of one prompt afterwards (the target alone, one token
     a pass; D3D sync, a block a pass) add no compiled graph to either, so the bound times the graphs the engine runs
     and the measurement compiles nothing the engine does not use."""
-    from benchmark.forward_cost import engine_pass_seconds
+    from d3d.benchmark.forward_cost import engine_pass_seconds
 
     torch._dynamo.reset()
     target, drafter = pair(2)
@@ -217,7 +217,7 @@ def test_the_bounds_fixed_shape_passes_have_the_engines_shapes():
     ideal bound (verify over 1 and B tokens, the drafter's block pass) have exactly the shapes of the engine's for
     one prompt (the target alone and D3D sync), rows and cache columns padded alike, and reuse the engine's pooled
     cache buffers, so a graph recorded for the bound is the one the engine replays."""
-    from benchmark.forward_cost import engine_pass_seconds
+    from d3d.benchmark.forward_cost import engine_pass_seconds
 
     target, drafter = pair(3)
     held = {model: CompiledPasses(model, fixed=True, compile=False) for model in (target, drafter)}

@@ -6,12 +6,12 @@ import logging
 import pytest
 import torch
 
-from benchmark.measure import acceptance_length
 from conftest import tiny_target, word_tokenizer
+from d3d.common.measure import acceptance_length
+from d3d.trainer.d3d_trainer import D3DTrainer, D3DTrainingArguments
+from d3d.trainer.data import generate_responses
+from d3d.trainer.pruning import drop_layer, prune
 from modeling_d3d import D3DForBlockDiffusion
-from trainer.d3d_trainer import D3DTrainer, D3DTrainingArguments
-from trainer.data import generate_responses
-from trainer.pruning import drop_layer, prune
 
 logger = logging.getLogger(__name__)
 BLOCK = 4

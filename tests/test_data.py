@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import tiny_target, word_tokenizer
-from trainer.data import RECORDS, generate_responses, load_responses, read_records
+from d3d.trainer.data import RECORDS, generate_responses, load_responses, read_records
 
 PROMPTS = [" ".join(f"w{(i * 7 + j) % 90}" for j in range(1 + i % 5)) for i in range(11)]
 

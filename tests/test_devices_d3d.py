@@ -15,10 +15,10 @@ from host_syncs import HostSyncs
 from modeling_d3d import (BlockSource, D3DAssistedGenerator, D3DForBlockDiffusion, RowSettings, SpeculativeEngine,
                           SuccessorSource)
 from modeling_d3d import engine_d3d, sources_d3d, streams_d3d
+from modeling_d3d.acceptance_d3d import RowSampling, drafts_from_logits
 from modeling_d3d.assistant_d3d import block_assistant, processors_device
 from modeling_d3d.generation_d3d import speculative_generate
 from modeling_d3d.settings_d3d import row_settings
-from modeling_d3d.acceptance_d3d import RowSampling, drafts_from_logits
 from modeling_d3d.streams_d3d import Fence
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -6,12 +6,12 @@ import json
 import pytest
 import torch
 
-from benchmark import forward_cost
-from cli import dtype
-from cli.main import build_parser, main
 from conftest import tiny_target, word_tokenizer
-from hub_upload.model_card import build_model_card
-from trainer.provenance import DrafterProvenance
+from d3d.benchmark import forward_cost
+from d3d.cli.main import build_parser, main
+from d3d.common import dtype
+from d3d.hub_upload.model_card import build_model_card
+from d3d.trainer.provenance import DrafterProvenance
 
 NATIVE = frozenset({"fpu", "avx2", "avx512f", "avx512_bf16", "amx_bf16"})
 AVX2_ONLY = frozenset({"fpu", "sse4_2", "avx2", "fma"})
@@ -139,8 +139,8 @@ def test_forward_cost_runs_and_records_the_dtype(tmp_path):
 
 @pytest.mark.parametrize("flags", [AVX2_ONLY, NATIVE])
 def test_quickstart_pretraining_autocasts_exactly_when_the_helper_picks_bf16(cpu, flags, tmp_path, monkeypatch):
-    from quickstart import pipeline
-    from quickstart.pretrain import chunked_dataset, train_tokenizer
+    from d3d.quickstart import pipeline
+    from d3d.quickstart.pretrain import chunked_dataset, train_tokenizer
 
     cpu(flags, bf16_seconds=0.5, float32_seconds=1.0)
     built = []

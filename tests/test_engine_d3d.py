@@ -15,12 +15,12 @@ from conftest import always_predicts, left_pad, run_without_project, tiny_target
 from distribution import NEW_TOKENS, PROMPT, SAMPLES, VOCAB, chi_square_p_value, exact_distribution, processors
 from modeling_d3d import BlockSource, D3DForBlockDiffusion, RoundRecord, RowSettings, SpeculativeEngine, SuccessorSource
 from modeling_d3d.acceptance_d3d import rejection_sample
-from modeling_d3d.caches_d3d import StaticKVCache
-from modeling_d3d.successor_d3d import plan_alternatives, successor_pass
-from modeling_d3d.passes_d3d import prefill, run_pass
-from modeling_d3d.generation_d3d import speculative_generate
 from modeling_d3d.acceptance_d3d import RowSampling
+from modeling_d3d.caches_d3d import StaticKVCache
+from modeling_d3d.generation_d3d import speculative_generate
+from modeling_d3d.passes_d3d import prefill, run_pass
 from modeling_d3d.sources_d3d import block_pass_layout
+from modeling_d3d.successor_d3d import plan_alternatives, successor_pass
 
 SOURCES = {"sync": lambda drafter: BlockSource(drafter), "async": lambda drafter: SuccessorSource(drafter, 4, 2)}
 

@@ -10,8 +10,8 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList, StopStringCriteria
 
 from conftest import RecordingStreamer, always_predicts, left_pad, tiny_target, word_tokenizer
-from policies import EveryChoice
 from modeling_d3d import D3DAssistedGenerator, D3DForBlockDiffusion, RoundRecord, speculative_generate
+from policies import EveryChoice
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

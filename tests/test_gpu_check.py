@@ -12,9 +12,9 @@ import pytest
 import torch
 import transformers
 
-from benchmark import gpu_check, gpu_check_identity
-from benchmark.gpu_check_models import SMOKE_SHAPES, Context, ModelCache
-from cli.main import main
+from d3d.benchmark import gpu_check, gpu_check_identity
+from d3d.benchmark.gpu_check_models import SMOKE_SHAPES, Context, ModelCache
+from d3d.cli.main import main
 
 ROOT = Path(__file__).parents[1]
 
@@ -22,7 +22,7 @@ ROOT = Path(__file__).parents[1]
 def d3d(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     paths = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])  # keeps a transformers there
     environment = {**os.environ, "PYTHONPATH": paths, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True, timeout=300,
+    return subprocess.run([sys.executable, "-m", "d3d", *args], capture_output=True, text=True, timeout=300,
                           cwd=cwd, env=environment)
 
 

@@ -12,7 +12,7 @@ import pytest
 TENSOR_BYTES = 16 * 2**20 * 4  # one 64 MiB float32 tensor
 HEAP_AFTER_A_64_MB_TENSOR_IS_FREED = """
 import ctypes, sys, torch
-from cli.host_memory import keep_freed_memory_on_cpu, release_freed_memory
+from d3d.common.host_memory import keep_freed_memory_on_cpu, release_freed_memory
 
 
 class MallInfo2(ctypes.Structure):

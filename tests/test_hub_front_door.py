@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import run_without_project, tiny_drafter, tiny_target, word_tokenizer
+from d3d.hub_upload.push import push_drafter
 from distribution import NEW_TOKENS, PROMPT, SAMPLES, SETTINGS, VOCAB, chi_square_p_value, exact_distribution
-from hub_upload.push import push_drafter
 from mock_hub import MockHub
 from modeling_d3d.hub_generate_d3d import REQUIREMENTS
 from modeling_d3d.versions_d3d import TORCH_RANGE, TRANSFORMERS_RANGE, requirement

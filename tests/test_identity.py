@@ -3,9 +3,9 @@ near-tie (not a failure), any other difference a divergence."""
 
 import torch
 
-from benchmark.identity import classify
-from benchmark.report import markdown
 from conftest import tiny_target
+from d3d.benchmark.identity import classify
+from d3d.common.report import markdown
 
 
 def near_tie_target(dtype: torch.dtype):
@@ -67,7 +67,7 @@ def sampled(target, prompts, temperature: float, seed: int, new_tokens: int = 24
 def test_sampled_outputs_are_consistent_with_the_targets_own_and_colder_ones_are_not():
     """The sampled check, per prompt (paired): another draw from the target's distribution passes; draws at a lower
     temperature than the one checked (likelier tokens) fail, as do tokens outside top-k."""
-    from benchmark.identity import sampled_consistency
+    from d3d.benchmark.identity import sampled_consistency
 
     target = tiny_target(3, vocab_size=16)
     generator = torch.Generator().manual_seed(0)

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from benchmark.long_context import CUE_TOKENS, pydoc_continuation_examples
-from cli.main import main
 from conftest import tiny_target, word_tokenizer
+from d3d.benchmark.long_context import CUE_TOKENS, pydoc_continuation_examples
+from d3d.cli.main import main
 from modeling_d3d import D3DForBlockDiffusion
 
 

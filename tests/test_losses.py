@@ -10,10 +10,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import tiny_target
+from d3d.trainer.collator import D3DCollator
+from d3d.trainer.d3d_trainer import d3d_loss_terms
+from d3d.trainer.losses import IGNORE_INDEX, adjust_teacher, distillation_loss, position_weights, training_losses
 from modeling_d3d import D3DForBlockDiffusion
-from trainer.collator import D3DCollator
-from trainer.d3d_trainer import d3d_loss_terms
-from trainer.losses import IGNORE_INDEX, adjust_teacher, distillation_loss, position_weights, training_losses
 
 BLOCK, GAMMA, LAMBDA = 4, 2.5, 0.7
 

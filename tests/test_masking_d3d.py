@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from conftest import tiny_qwen3_config
-from modeling_d3d.sources_d3d import block_pass_layout
-from modeling_d3d.successor_d3d import successor_layout
 from modeling_d3d.masking_d3d import CAUSAL_BLOCK_ID, block_layout, create_block_diffusion_mask, interval_mask
 from modeling_d3d.passes_d3d import PassLayoutBuilder
+from modeling_d3d.sources_d3d import block_pass_layout
+from modeling_d3d.successor_d3d import successor_layout
 
 
 def visibility(num_causal, starts, block_size, past_length=0, attn="sdpa") -> torch.Tensor:

@@ -6,17 +6,17 @@ from pathlib import Path
 import pytest
 from huggingface_hub import ModelCard, constants
 
-from cli.main import main
 from conftest import run_without_project, tiny_drafter, word_tokenizer
-from hub_upload.push import MANIFEST, PushError, push_drafter
+from d3d.cli.main import main
+from d3d.hub_upload.push import MANIFEST, PushError, push_drafter
+from d3d.trainer.provenance import DrafterProvenance, record_pruning
 from mock_hub import MockHub
-from trainer.provenance import DrafterProvenance, record_pruning
 
 TOKEN = "hf_secret_test_token_0123456789"
 
 
 def bench_results(tau: float, speedup: float, hit_rate: float) -> dict:
-    """What `benchmark.bench.benchmark` returns, for one prompt set with a sync and an async D3D row."""
+    """What `d3d.benchmark.bench.benchmark` returns, for one prompt set with a sync and an async D3D row."""
     def row(method: str, hits: float | None) -> dict:
         return {"method": method, "tokens_per_second": 100.0 * speedup, "speedup": speedup, "tau": tau,
                 "hit_rate": hits, "lossless": True, "ideal_sync_speedup": None, "ideal_async_speedup": None,

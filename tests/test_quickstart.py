@@ -10,14 +10,14 @@ import pytest
 import torch
 from transformers import AutoTokenizer, Qwen3ForCausalLM
 
-from cli.demo import RANDOM_NOTE, SPEEDUP_NOTE
-from cli.dtype import choose_dtype
-from cli.main import main
 from conftest import demo_table, run_without_project
-from quickstart.corpus import (function_prompts, humaneval_prompts, pydoc_prompts, quality_texts, split_topics,
+from d3d.cli.demo import RANDOM_NOTE, SPEEDUP_NOTE
+from d3d.cli.main import main
+from d3d.common.corpus import (function_prompts, humaneval_prompts, pydoc_prompts, quality_texts, split_topics,
                                training_texts)
-from quickstart.pipeline import MICRO, benchmark_done, run_quickstart
-from quickstart.pretrain import bits_per_byte
+from d3d.common.dtype import choose_dtype
+from d3d.quickstart.pipeline import MICRO, benchmark_done, run_quickstart
+from d3d.quickstart.pretrain import bits_per_byte
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +160,7 @@ def test_evaluation_prompts_stay_out_of_training():
 
 
 def test_the_pruning_curve_starts_from_the_targets_first_layers_and_prunes_to_one_layer(output, tmp_path):
-    from benchmark.ablations import main as ablations, target_prefix_drafter
+    from d3d.quickstart.ablations import main as ablations, target_prefix_drafter
     target = Qwen3ForCausalLM.from_pretrained(output / "target")
     drafter = target_prefix_drafter(output, 1, MICRO.block_size, AutoTokenizer.from_pretrained(output / "tokenizer"))
     assert drafter.config.num_hidden_layers == 1 < target.config.num_hidden_layers

@@ -9,10 +9,10 @@ import torch
 
 from transformers.cache_utils import DynamicCache
 
+from d3d.space_app.prefill_view import kept_chunks_html
 from modeling_d3d import BlockSource, RowSettings, SpeculativeEngine, d3d_generate, select_prompt_chunks, speculative_generate
 from modeling_d3d.masking_d3d import block_layout
 from modeling_d3d.prefill_d3d import chunk_spans, probe_token_importance
-from space_app.prefill_view import kept_chunks_html
 
 from conftest import tiny_drafter, tiny_target, word_tokenizer
 

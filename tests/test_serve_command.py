@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from cli.main import main
+from d3d.cli.main import main
 
 
 def folder(path, **config):

@@ -10,10 +10,10 @@ from transformers import (LogitsProcessor, StoppingCriteria, StoppingCriteriaLis
                           TopKLogitsWarper, TopPLogitsWarper)
 
 from conftest import tiny_target, word_tokenizer
-from policies import EveryChoice
 from cpu_pools import RELEASED, gone, needs_libgomp, parallel_kernel, pool_of_this_thread, task_ids
 from modeling_d3d import D3DBatchServer, D3DForBlockDiffusion
 from modeling_d3d.threads_d3d import CPUWorkerPools
+from policies import EveryChoice
 
 WAIT = 60
 

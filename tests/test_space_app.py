@@ -9,23 +9,23 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from cli.main import build_parser
 from conftest import run_without_project
 from cpu_pools import RELEASED, gone, needs_libgomp, pool_of_this_thread
-from space_app.decoding import (
+from d3d.cli.main import build_parser
+from d3d.space_app.decoding import (
     CACHE, DRAFT, LOOKUP, TARGET, Detokenizer, Settings, check_settings, compare_live, decode_live, default_settings,
     encode_prompt, engine_modules, prepare_request, token_kinds, warm_up,
 )
+from d3d.space_app.loading import DEFAULT_DRAFTER, DEFAULT_QUEUE_SIZE, DEFAULT_TARGET, model_sources
+from d3d.space_app.prefill_view import MAX_CHUNKS, check_chunk_count, chunk_texts, kept_chunks_html, prefill_preview
+from d3d.space_app.render import rounds_svg, stats_html, tokens_html
 from modeling_d3d.prefill_d3d import PromptSelection, chunk_spans
-from space_app.loading import DEFAULT_DRAFTER, DEFAULT_QUEUE_SIZE, DEFAULT_TARGET, model_sources
-from space_app.prefill_view import MAX_CHUNKS, check_chunk_count, chunk_texts, kept_chunks_html, prefill_preview
-from space_app.render import rounds_svg, stats_html, tokens_html
 from space_helpers import BLOCK_SIZE, PROMPT, PageReader, greedy_text, load_tiny_models, save_tiny_models, served
 
 pytest.importorskip("gradio", reason="the Space needs the `space` extra (gradio)")
 from gradio_client import Client  # noqa: E402  (after the skip above)
 
-from space_app.app import build_demo  # noqa: E402
+from d3d.space_app.app import build_demo  # noqa: E402
 
 # the drafter's block every round (the default verify policy's choices follow measured times)
 GREEDY = Settings(block_size=BLOCK_SIZE, coverage=4, fanout=2, temperature=0.0, max_new_tokens=40, policy=False)

@@ -17,8 +17,8 @@ from space_helpers import PROMPT, code_piece_tokenizer, greedy_text, load_tiny_m
 pytest.importorskip("gradio", reason="the Space needs the `space` extra (gradio)")
 webdriver = pytest.importorskip("selenium.webdriver", reason="the browser test needs selenium (the `dev` extra)")
 
-from space_app.app import EXAMPLES, build_demo  # noqa: E402  (after the skips above)
-from space_app.render import KINDS  # noqa: E402
+from d3d.space_app.app import EXAMPLES, build_demo  # noqa: E402  (after the skips above)
+from d3d.space_app.render import KINDS  # noqa: E402
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 ARTIFACTS = Path(__file__).parents[1] / "test-artifacts"

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cli.main import main
 from conftest import run_leaving_no_process, tiny_target, word_tokenizer
+from d3d.cli.main import main
 from modeling_d3d import D3DForBlockDiffusion
 
 ROOT = Path(__file__).parents[1]
@@ -36,11 +36,11 @@ def test_generate_data_writes_every_prompt_once(workspace):
 
 def test_train_runs_distributed_with_two_processes(workspace):
     """`--multi_gpu` makes accelerate start torchrun; on a CPU-only machine the processes use gloo. The launch ends
-    (its shutdown cannot deadlock: `cli.train.leave_process_group`) or is killed with its workers."""
+    (its shutdown cannot deadlock: `d3d.cli.train.leave_process_group`) or is killed with its workers."""
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
         "--main_process_port", "0", "--mixed_precision", "no", "--dynamo_backend", "no", "--multi_gpu",
-        "-m", "cli.main", "train",
+        "-m", "d3d", "train",
         "--target", str(workspace / "target"), "--data", str(workspace / "data"), "--output", str(workspace / "drafter"),
         "--block-size", "4", "--max-steps", "6", "--num-anchors", "4", "--learning-rate", "1e-3",
         "--global-batch-size", "8", "--per-device-batch-size", "2", "--gradient-checkpointing",
@@ -82,7 +82,7 @@ def test_prune_writes_the_chosen_drafter_and_report(workspace):
 KILLED_AT_STEP_5 = """
 import os, signal, sys
 from transformers import TrainerCallback
-from trainer.d3d_trainer import D3DTrainer
+from d3d.trainer.d3d_trainer import D3DTrainer
 
 class KillAtStep5(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
@@ -94,7 +94,7 @@ def init_then_arm(self, *args, **kwargs):
     init(self, *args, **kwargs)
     self.add_callback(KillAtStep5())
 D3DTrainer.__init__ = init_then_arm
-from cli.main import main
+from d3d.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(REPO))
 
-from benchmark import vllm_server
+from d3d.benchmark import vllm_server
 
 # vLLM on a small CPU machine: a 1 GiB KV cache, no thread pinning, one thread (the tests run under `taskset -c N`).
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",

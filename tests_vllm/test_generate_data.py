@@ -8,7 +8,7 @@ from conftest import PYTHON, REPO, main_python, vllm_env
 
 
 def generate_data(models, prompts_file, output, *extra) -> str:
-    command = [main_python(), "-m", "cli.main", "generate-data", "--target", str(models / "target"), "--prompts",
+    command = [main_python(), "-m", "d3d", "generate-data", "--target", str(models / "target"), "--prompts",
                str(prompts_file), "--output", str(output), "--max-new-tokens", "24", "--dtype", "float32",
                "--batch-size", "5", *extra]
     return subprocess.run(command, check=True, capture_output=True, text=True, env=vllm_env(), cwd=REPO).stdout

@@ -11,7 +11,7 @@ CHECKS = ["vllm-models", "vllm-alone", "vllm-d3d", "vllm-exactness", "vllm-draft
 
 
 def test_smoke_run_reports_every_check_and_d3d_is_exact(tmp_path):
-    command = [main_python(), "-m", "cli.main", "gpu-check", "--vllm", "--smoke", "--output", str(tmp_path / "out"),
+    command = [main_python(), "-m", "d3d", "gpu-check", "--vllm", "--smoke", "--output", str(tmp_path / "out"),
                "--vllm-python", PYTHON]
     result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=600,
                             env={**vllm_env(), "PYTHONPATH": str(REPO)}, check=False)

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from conftest import HERE, PYTHON, REPO, main_python, run_main, running, vllm_env, write_json
 
-from benchmark.vllm_server import SERVER, free_port, spec_counters
+from d3d.benchmark.vllm_server import SERVER, free_port, spec_counters
 
 # Both servers: no prefix caching (exactness is checked on computed tokens), eager mode, a short context.
 VLLM_FLAGS = ["--no-enable-prefix-caching", "--enforce-eager", "--max-model-len", "256", "--seed", "0"]
@@ -48,7 +48,7 @@ def plain(models, prompts, tmp_path_factory) -> list[str]:
 
 def test_d3d_server_is_lossless_and_reports_acceptance(models, prompts, plain, tmp_path):
     port = free_port()
-    command = [main_python(), "-m", "cli.main", "serve", "--target", str(models / "target"),
+    command = [main_python(), "-m", "d3d", "serve", "--target", str(models / "target"),
                "--drafter", str(models / "drafter"), "--num-speculative-tokens", str(K), "--port", str(port),
                "--dtype", "float32", "--vllm-python", PYTHON, "--", *VLLM_FLAGS]
     log = tmp_path / "server.log"

@@ -3,7 +3,7 @@
 `python tests_vllm/vllm_drafts.py MODELS_DIR PROMPTS_JSON OUT_JSON K` (this checkout on PYTHONPATH) generates for all
 prompts in one batch and writes, per prompt, the generated tokens and every proposal the D3D proposer made for a
 prefix within them: `{"prefix_length": n, "drafts": [...]}`, the K drafts proposed for the first n tokens of
-prompt + output (the last of them the anchor), as `benchmark.vllm_drafts.DraftRecorder` records them.
+prompt + output (the last of them the anchor), as `d3d.benchmark.vllm_drafts.DraftRecorder` records them.
 """
 
 import json
@@ -15,7 +15,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this pr
 
 from vllm import LLM, SamplingParams
 
-from benchmark.vllm_drafts import DraftRecorder
+from d3d.benchmark.vllm_drafts import DraftRecorder
 
 
 def main(models: str, prompts_path: str, out_path: str, num_speculative_tokens: int) -> None:

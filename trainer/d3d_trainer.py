@@ -41,7 +41,7 @@ def d3d_loss_terms(
     """One packed forward pass and the loss terms: `loss`, `diffusion`, `ar` and, with a teacher, `kl`.
     `model` may be wrapped (DDP): the packed pass goes through its `forward` (`anchors=...`) and returns final hidden
     states; the losses read `head`'s weight (default: `model.get_output_embeddings()`, pass the unwrapped model's) only
-    at supervised positions, `chunk_elements` logits at a time, gradients formed chunk by chunk (see `trainer.losses`).
+    at supervised positions, `chunk_elements` logits at a time, gradients formed chunk by chunk (`losses.py`).
 
     `loss = L_diff + ar_weight * L_AR (+ L_KL)`, differentiable; the terms are detached (for logging). Inputs as
     produced by `D3DCollator`."""

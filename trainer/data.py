@@ -17,7 +17,7 @@ import torch
 from datasets import Dataset, load_from_disk
 from tqdm.auto import tqdm
 
-from benchmark.prompts import encode_prompt
+from d3d.common.prompts import encode_prompt
 
 RECORDS = "responses.jsonl"
 DATASET = "dataset"

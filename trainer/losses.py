@@ -3,7 +3,7 @@ hidden states.
 
 Each loss takes the drafter's final hidden states and its LM head, and forms logits only at the positions it
 supervises: `L_AR` at response positions, `L_diff` and `L_KL` at supervised masked positions. Those hidden states
-are gathered first, then `trainer.chunked_head` runs the head on `chunk_elements // vocab` of them at a time and
+are gathered first, then `d3d.trainer.chunked_head` runs the head on `chunk_elements // vocab` of them at a time and
 forms each chunk's gradients in the forward pass, so no `(positions, vocab)` float32 matrix is ever whole, forward or
 backward, and nothing is recomputed. `training_losses` reads every term in one pass (`L_diff` and `L_KL` from the
 same logits).

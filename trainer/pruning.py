@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from benchmark.measure import MethodRun, acceptance_length, decode_one
-from benchmark.report import pyplot
+from d3d.common.measure import MethodRun, acceptance_length, decode_one
+from d3d.common.report import pyplot
 from modeling_d3d.generation_d3d import speculative_generate
 
 from .d3d_trainer import D3DTrainer, D3DTrainingArguments

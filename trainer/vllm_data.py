@@ -28,7 +28,7 @@ def generate_responses_with_vllm(
     dtype: str = "auto",
 ) -> Dataset:
     """Regenerate a response for every prompt with the target at `target_path` served by vLLM offline; see
-    `trainer.data.generate_responses` for the records and the settings (the target's, greedy unless `do_sample`)."""
+    `d3d.trainer.data.generate_responses` for the records and the settings (the target's, greedy unless `do_sample`)."""
     tokenizer = AutoTokenizer.from_pretrained(target_path)
     eos_token_id = GenerationConfig.from_pretrained(target_path).eos_token_id
     settings = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "seed": seed if do_sample else None,
