@@ -22,7 +22,7 @@ ids = tokenizer("def fibonacci(n):", return_tensors="pt").input_ids
 # the D3D engine as a decoding method of the target's own generate (this repo's custom_generate/ folder):
 out = target.generate(ids, custom_generate="{repo}", trust_remote_code=True, max_new_tokens=64,
                       stop_strings=["\\n\\n"], tokenizer=tokenizer, streamer=TextStreamer(tokenizer))
-print(f"tokens per round: {{target.d3d_drafter.generation_stats.tau:.2f}}")   # the drafter it loaded, reused
+print(f"tokens per round: {{target.d3d_drafter.round_record.tau:.2f}}")   # the drafter it loaded, reused
 
 # or load the drafter yourself (its code ships with this repository):
 from transformers import AutoModel

@@ -62,13 +62,13 @@ class AssistantSession:
 
 class D3DAssistant:
     """Stands in for an assistant model in `target.generate(..., assistant_model=assistant)`, drafting with `source`
-    (a `BlockSource` or `SuccessorSource`). `generation_stats`: the `RoundRecord` of the latest call; `settle(output)`
+    (a `BlockSource` or `SuccessorSource`). `round_record`: the `RoundRecord` of the latest call; `settle(output)`
     closes its last round. One `generate` call at a time."""
 
     def __init__(self, source):
         self.source = source
         self.drafter = source.drafter
-        self.generation_stats: RoundRecord | None = None
+        self.round_record: RoundRecord | None = None
         self._session: AssistantSession | None = None
         self._capacity = 0
 
@@ -135,7 +135,7 @@ class D3DAssistant:
         sampling = RowSampling(processors, bool(do_sample), generator, device)
         if capacity is None or self._session is None:
             self._session = AssistantSession(context, sampling)
-            self.generation_stats = RoundRecord()
+            self.round_record = RoundRecord()
         else:
             self._session.context = None
         return self._session
@@ -150,10 +150,11 @@ class D3DAssistant:
             accepted += 1
         verify = time.perf_counter() - session.returned_at
         waited, hidden = self.source.observe([session.context], [added[: accepted + 1]])
-        outcome = RoundOutcome(0, added[: accepted + 1], False, accepted_drafts=accepted, from_cache=session.hit)
-        self.generation_stats.add([outcome], int(session.looked_up), RoundTiming(verify, session.exposed + waited, hidden, 0.0))
+        outcome = RoundOutcome(0, added[: accepted + 1], False, accepted_drafts=accepted, from_branch=session.hit)
+        timing = RoundTiming(verify, session.exposed + waited, hidden, 0.0)
+        self.round_record.add([outcome], int(session.looked_up), timing)
         for token in added[accepted + 1 :]:  # rounds transformers ran without asking for drafts (one token left)
-            self.generation_stats.add([RoundOutcome(0, [token], False)], 0, RoundTiming(0.0, 0.0, 0.0, 0.0))
+            self.round_record.add([RoundOutcome(0, [token], False)], 0, RoundTiming(0.0, 0.0, 0.0, 0.0))
         session.context = None
 
     def settle(self, sequences: torch.Tensor) -> RoundRecord:
@@ -164,7 +165,7 @@ class D3DAssistant:
             if output[: len(session.context)] != session.context:
                 raise ValueError("This output belongs to another generate call than the assistant's last one")
             self._observe(session, output)
-        return self.generation_stats
+        return self.round_record
 
     def close(self) -> None:
         self.source.close()

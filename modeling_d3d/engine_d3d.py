@@ -100,7 +100,7 @@ class RoundOutcome:
     added: list[int]
     finished: bool
     accepted_drafts: int = 0
-    from_cache: bool = False
+    from_branch: bool = False
     error: BaseException | None = None
     verified: str = BLOCK
 
@@ -127,7 +127,8 @@ class RoundRecord:
     """The only round record: totals over every round of an engine, and the latest rounds (bounded, for servers).
 
     rounds: engine rounds; row_rounds: rounds summed over rows; new_tokens; accepted[n]: row rounds that added n
-    tokens; verified[kind]: row rounds that verified nothing, the drafter's block or a lookup (`policy_d3d`); lookups / cache_hits: rows that searched prepared branches / were served by one; seconds: verify,
+    tokens; verified[kind]: row rounds that verified nothing, the drafter's block or a lookup (`policy_d3d`);
+    lookups / branch_hits: rows that searched prepared branches / were served by one; seconds: verify,
     exposed and hidden drafting, host, and prefill; compilations: graphs PyTorch compiled during the rounds (the
     delta of `torch._dynamo.utils.counters["stats"]["unique_graphs"]`, process-wide: another thread's compiles
     in the same rounds count too; 0 after the warm-up of compiled passes, see docs/architecture.md)."""
@@ -139,7 +140,7 @@ class RoundRecord:
     accepted: Counter = field(default_factory=Counter)
     verified: Counter = field(default_factory=Counter)
     lookups: int = 0
-    cache_hits: int = 0
+    branch_hits: int = 0
     verify_seconds: float = 0.0
     exposed_draft_seconds: float = 0.0
     hidden_draft_seconds: float = 0.0
@@ -159,7 +160,7 @@ class RoundRecord:
                 self.new_tokens += len(outcome.added)
                 self.accepted[len(outcome.added)] += 1
                 self.verified[outcome.verified] += 1
-                self.cache_hits += outcome.from_cache
+                self.branch_hits += outcome.from_branch
         self.lookups += looked_up
         self.verify_seconds += timing.verify
         self.exposed_draft_seconds += timing.exposed_draft
@@ -174,7 +175,7 @@ class RoundRecord:
 
     @property
     def hit_rate(self) -> float | None:
-        return self.cache_hits / self.lookups if self.lookups else None
+        return self.branch_hits / self.lookups if self.lookups else None
 
     @property
     def seconds(self) -> float:
@@ -256,7 +257,7 @@ class SpeculativeEngine:
                 each.allocate(max_rows, max_length + 1)
         self.clock = Clock(self.device)
         self.rows: list[Row] = []
-        self.record = RoundRecord(keep=keep_rounds)
+        self.round_record = RoundRecord(keep=keep_rounds)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -301,7 +302,7 @@ class SpeculativeEngine:
             if each is not None:
                 each.add(slot, row.drafter_context)
         synchronize(self.device)
-        self.record.prefill_seconds += time.perf_counter() - start
+        self.round_record.prefill_seconds += time.perf_counter() - start
         self.rows.append(row)
 
     def remove(self, keys: set[Hashable]) -> None:
@@ -361,8 +362,8 @@ class SpeculativeEngine:
         self._keep([i for i, outcome in enumerate(outcomes) if not outcome.finished])
         total = time.perf_counter() - start.host
         timing = RoundTiming(verify_seconds, exposed, drafting.hidden, max(total - verify_seconds - exposed, 0.0))
-        self.record.add(outcomes, sum(proposal.looked_up) if proposal is not None else 0, timing)
-        self.record.compilations += compiled_graphs() - graphs_before
+        self.round_record.add(outcomes, sum(proposal.looked_up) if proposal is not None else 0, timing)
+        self.round_record.compilations += compiled_graphs() - graphs_before
         return outcomes
 
     def plan(self, keys: list[Hashable], lookups: list[list[int]]) -> RoundPlan:
@@ -423,7 +424,7 @@ class SpeculativeEngine:
             row.generated += added
             self.cache.commit(r, self.cache.committed[r] + len(added))
             outcomes.append(RoundOutcome(row.key, added, finished, accepted_drafts=min(host[r][0], len(added)),
-                                         from_cache=proposal is not None and proposal.hits[r], verified=choices[r]))
+                                         from_branch=proposal is not None and proposal.hits[r], verified=choices[r]))
         return outcomes
 
     def _process(self, logits: torch.Tensor, drafts: torch.Tensor, failed: dict[int, BaseException]) -> torch.Tensor:

@@ -103,7 +103,7 @@ def speculative_generate(
     prompt the drafter reads when the target reads a reduced one (selective prefill; batch of one). compile:
     compiled verify and drafting passes (`passes_d3d.compiled_passes`, kept on the target and the drafter with their
     caches; the first calls compile, see docs/architecture.md "Compiled passes"). round_record: a `RoundRecord` to
-    fill (also left in `drafter.generation_stats`). lookup: prompt lookup in the engine (True, or the most drafts a
+    fill (also left in `drafter.round_record`). lookup: prompt lookup in the engine (True, or the most drafts a
     lookup proposes; works without a drafter); policy: what each row verifies each round is chosen for the most
     tokens per second (None or True, the default: the `policy_d3d.VerifyPolicy` kept on the drafter; a
     `VerifyPolicy`; False: the drafter's whole block every round, the paper's rule); see `policy_d3d.make_chooser`.
@@ -132,9 +132,9 @@ def speculative_generate(
     source = make_source(drafter, asynchronous, coverage, fanout, drafter_device, worker_threads, compile)
     engine = build_engine(model, source, batch, longest_prompt + max_new_tokens, compile, lookup, policy, verification)
     if round_record is not None:
-        engine.record = round_record
+        engine.round_record = round_record
     if drafter is not None:
-        drafter.generation_stats = engine.record
+        drafter.round_record = engine.round_record
     generated: dict[int, list[int]] = {r: [] for r in range(batch)}
     try:
         for r, prompt in enumerate(prompts):

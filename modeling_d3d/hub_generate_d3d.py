@@ -40,7 +40,7 @@ def called_with(model) -> str:
 def load_drafter(model, location: str, loading: dict, drafter_device=None):
     """The drafter of `location` in the target's dtype, on `drafter_device` or the target's device. Kept on the
     target as `target.d3d_drafter` (a plain attribute, not a submodule) and reused while the repo, revision, dtype
-    and device are the same; its `generation_stats` is the round record of the last call."""
+    and device are the same; its `round_record` is the round record of the last call."""
     device = torch.device(drafter_device) if drafter_device is not None else model.get_input_embeddings().weight.device
     key = (location, tuple(sorted((name, str(value)) for name, value in loading.items())), str(model.dtype), str(device))
     drafter = model.__dict__.get("d3d_drafter")

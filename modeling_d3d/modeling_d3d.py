@@ -34,20 +34,20 @@ class D3DForBlockDiffusion(D3DBlockDiffusionModel):
 
     def __init__(self, config: D3DConfig):
         super().__init__(config)
-        self.generation_stats: RoundRecord | None = None
+        self.round_record: RoundRecord | None = None
         self._assistant: D3DAssistant | None = None
         self.generation_config.update(**assisted_generation_config(config.block_size).to_diff_dict())
 
     def generate(self, inputs=None, generation_config=None, logits_processor=None, **kwargs):
         """As an assistant inside `target.generate(..., assistant_model=self)`: one block-drafting pass per round
-        through the engine's block source (statistics in `self.generation_stats`; `self.settle(output)` closes the
+        through the engine's block source (statistics in `self.round_record`; `self.settle(output)` closes the
         last round). Called directly: ordinary autoregressive generation (AR mode)."""
         if generation_config is not None and getattr(generation_config, "is_assistant", False):
             if self._assistant is None:
                 self._assistant = D3DAssistant(BlockSource(self))
             input_ids = inputs if inputs is not None else kwargs.pop("input_ids")
             output = self._assistant.generate(input_ids, generation_config, logits_processor, **kwargs)
-            self.generation_stats = self._assistant.generation_stats
+            self.round_record = self._assistant.round_record
             return output
         return super().generate(inputs, generation_config=generation_config, logits_processor=logits_processor, **kwargs)
 
@@ -74,10 +74,12 @@ class D3DForBlockDiffusion(D3DBlockDiffusionModel):
         `retention * L` tokens (see `prefill_d3d`)."""
         return select_prompt_chunks(self, input_ids, retention, chunk_size)
 
-    def speculative_generate(self, target: PreTrainedModel, input_ids: torch.LongTensor, selective_prefill: float = 1.0,
-                             chunk_size: int = DEFAULT_CHUNK_SIZE, **generate_kwargs) -> SelectivePrefillOutput:
+    def selective_prefill_generate(self, target: PreTrainedModel, input_ids: torch.LongTensor,
+                                   selective_prefill: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                                   **generate_kwargs) -> SelectivePrefillOutput:
         """`target` decodes `input_ids` `(1, L)` with this drafter through the engine; `selective_prefill` < 1
-        prefills only the chunks the probe keeps (see `prefill_d3d.d3d_generate`)."""
+        prefills only the chunks the probe keeps (see `prefill_d3d.d3d_generate`). The one front door that returns
+        more than the tokens; the `custom_generate` function is `generation_d3d.speculative_generate`."""
         return d3d_generate(target, self, input_ids, selective_prefill, chunk_size, **generate_kwargs)
 
     def generate_batch(self, target: PreTrainedModel, input_ids: torch.LongTensor, attention_mask=None,
@@ -85,7 +87,7 @@ class D3DForBlockDiffusion(D3DBlockDiffusionModel):
         """Batched speculative decoding of left-padded prompts `(batch, P)` for `target`:
         `target.generate(..., custom_generate=speculative_generate, drafter=self)`. `asynchronous=True` (with
         `coverage`, `fanout`) prepares successor blocks while the target verifies; statistics go to
-        `self.generation_stats`."""
+        `self.round_record`."""
         check_prompts(input_ids, attention_mask)
         return target.generate(input_ids, attention_mask=attention_mask, custom_generate=speculative_generate,
                                drafter=self, **front_door_kwargs(generate_kwargs))

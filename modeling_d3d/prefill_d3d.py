@@ -79,13 +79,13 @@ class SelectivePrefillOutput:
     output: what `target.generate` returned (a tensor, or a `GenerateDecoderOnlyOutput` with
     `return_dict_in_generate=True`), on `prompt_ids`; prompt_ids: `(1, R)` the prompt the target read (the input
     itself when nothing was dropped); selection: the chunks (None for `selective_prefill=1`, where no probe runs);
-    stats: the engine's round record of the call.
+    round_record: the engine's round record of the call.
     """
 
     output: torch.LongTensor | GenerateDecoderOnlyOutput
     prompt_ids: torch.LongTensor
     selection: PromptSelection | None
-    stats: RoundRecord
+    round_record: RoundRecord
 
     @property
     def sequences(self) -> torch.LongTensor:

@@ -188,9 +188,9 @@ class D3DBatchServer:
         self._thread.start()
 
     @property
-    def stats(self) -> RoundRecord:
+    def round_record(self) -> RoundRecord:
         """The engine's round record: totals over every round so far (tau = tokens per row per round)."""
-        return self.engine.record
+        return self.engine.round_record
 
     def submit(
         self,

@@ -110,19 +110,19 @@ def check_max_drafts(block_size: int, max_drafts: int | None) -> int:
 
 
 def block_pass_layout(contexts: list[list[int]], committed: list[int], block_size: int, mask_id: int,
-                 fixed: bool = False) -> PassLayout:
+                      fixed: bool = False) -> PassLayout:
     """The block pass: per row `[padding, uncached tokens before the anchor, anchor, M x (B - 1)]`, the block always in
     the last `B` input columns and written at its positions, the padding in scratch columns after it. The uncached
     part is as wide as `shapes_d3d.block_causal_width` says."""
-    uncached = [len(context) - 1 - done for context, done in zip(contexts, committed)]
+    uncached = [len(context) - 1 - length for context, length in zip(contexts, committed)]
     if min(uncached) < 0:
         raise RuntimeError("A drafter cache holds more tokens than its row's prefix before the anchor")
     causal_width = block_causal_width(uncached, block_size, fixed)
     layout = PassLayoutBuilder(len(contexts), causal_width + block_size, mask_id)
     masks = [mask_id] * (block_size - 1)
-    for row, (context, done) in enumerate(zip(contexts, committed)):
+    for row, (context, length) in enumerate(zip(contexts, committed)):
         pad, anchor = causal_width - uncached[row], len(context) - 1
-        layout.put_causal(row, pad, context[done:anchor], done)
+        layout.put_causal(row, pad, context[length:anchor], length)
         layout.put_block(row, causal_width, [context[-1]] + masks, anchor, anchor)
         layout.put_padding(row, 0, pad, anchor + block_size)
     return layout.build()

@@ -78,14 +78,15 @@ def successor_layout(contexts: list[list[int]], committed: list[int], drafts: li
     repeat their last one, as do all rows up to `min_blocks` blocks. Blocks and padding go to scratch columns;
     `fixed`: the causal part at least `2B` wide (fixed shapes: with `min_blocks` the most a round plans, every pass
     has one width). Returns the layout and the blocks per row."""
-    uncached = [len(context) - done + len(row_drafts) for context, done, row_drafts in zip(contexts, committed, drafts)]
+    uncached = [len(context) - length + len(row_drafts)
+                for context, length, row_drafts in zip(contexts, committed, drafts)]
     causal_width = successor_causal_width(uncached, block_size, fixed)
     blocks = max(min_blocks, *(len(row) for row in anchors))
     layout = PassLayoutBuilder(len(contexts), causal_width + blocks * block_size, mask_id)
     masks = [mask_id] * (block_size - 1)
-    for row, (context, done, row_drafts, row_anchors) in enumerate(zip(contexts, committed, drafts, anchors)):
+    for row, (context, length, row_drafts, row_anchors) in enumerate(zip(contexts, committed, drafts, anchors)):
         pad = causal_width - uncached[row]
-        layout.put_causal(row, pad, context[done:] + row_drafts, done)
+        layout.put_causal(row, pad, context[length:] + row_drafts, length)
         scratch = len(context) + len(row_drafts)
         for k in range(blocks):
             token, j = row_anchors[min(k, len(row_anchors) - 1)]

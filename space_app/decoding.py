@@ -112,7 +112,7 @@ def token_kinds(outcome) -> list[str]:
     """How each token of one round (a `RoundOutcome`) came: its accepted drafts, `LOOKUP` when the round verified a
     prompt-lookup continuation, else `CACHE` when a prepared branch served it, else `DRAFT`; then the target's own
     token, `TARGET` (none when the length limit cut the round inside the drafts)."""
-    kind = LOOKUP if outcome.verified == "lookup" else CACHE if outcome.from_cache else DRAFT
+    kind = LOOKUP if outcome.verified == "lookup" else CACHE if outcome.from_branch else DRAFT
     return [kind] * outcome.accepted_drafts + [TARGET] * (len(outcome.added) - outcome.accepted_drafts)
 
 
@@ -153,10 +153,10 @@ class Detokenizer:
 @dataclass
 class LiveDecode:
     """One column of the Space: the tokens so far (with kinds and texts), its rounds, and the engine's `RoundRecord`
-    (`record`), from which every statistic is read."""
+    (`round_record`), from which every statistic is read."""
 
     tokenizer: object
-    record: object
+    round_record: object
     tokens: list[int] = field(default_factory=list)
     kinds: list[str] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
@@ -168,7 +168,7 @@ class LiveDecode:
 
     def extend(self, outcome, drafting: bool) -> None:
         """Add one round's `RoundOutcome`; `drafting`: whether a drafter proposed drafts for it."""
-        served = ("prompt lookup" if outcome.verified == "lookup" else "cache hit" if outcome.from_cache
+        served = ("prompt lookup" if outcome.verified == "lookup" else "cache hit" if outcome.from_branch
                   else "drafting pass" if drafting and outcome.verified == "block" else "no draft")
         round_ = Round(list(outcome.added), token_kinds(outcome), served)
         self.rounds.append(round_)
@@ -192,18 +192,18 @@ class LiveDecode:
 
     @property
     def tau(self) -> float:
-        return self.record.tau
+        return self.round_record.tau
 
     @property
     def hit_rate(self) -> float:
         """Rounds served from a prepared branch over the rounds that looked one up (the engine's record)."""
-        rate = self.record.hit_rate
+        rate = self.round_record.hit_rate
         return float("nan") if rate is None else rate
 
     @property
     def seconds(self) -> float:
         """The engine's time: prefill and every round so far (hidden drafting excluded: it ran meanwhile)."""
-        return self.record.prefill_seconds + self.record.seconds
+        return self.round_record.prefill_seconds + self.round_record.seconds
 
     @property
     def tokens_per_second(self) -> float:
@@ -296,7 +296,7 @@ def decode_live(target, drafter, tokenizer, prompt_ids: torch.LongTensor, settin
             raise ValueError("This drafter's code predates prompt lookup: save it again with this project")
     engine = modules.engine.SpeculativeEngine(target, source, max_length=prompt_ids.shape[1] + settings.max_new_tokens,
                                               **chooser)
-    live = LiveDecode(tokenizer, engine.record)
+    live = LiveDecode(tokenizer, engine.round_record)
     try:
         engine.add(0, prompt_ids[0].tolist(), row_settings(drafter, target, prompt_ids, settings))
         while len(engine):

@@ -23,7 +23,7 @@ def added_per_round(record) -> list[int]:
 
 
 def served_from_cache(record) -> list[bool]:
-    return [outcome.from_cache for outcomes, _ in record.history for outcome in outcomes]
+    return [outcome.from_branch for outcomes, _ in record.history for outcome in outcomes]
 
 
 def test_greedy_output_is_token_identical_through_the_generator():
@@ -41,7 +41,7 @@ def test_greedy_output_is_token_identical_through_the_generator():
                 assert torch.equal(reference, speculative), (vocab, block, coverage, fanout, prompt_length, max_new)
                 stats = generator.settle(speculative)
                 assert stats.new_tokens == max_new or speculative.shape[1] - prompt.shape[1] == stats.new_tokens
-                hits += stats.cache_hits
+                hits += stats.branch_hits
                 compared += 1
     assert compared >= 50 and hits > 0
 
@@ -72,7 +72,7 @@ def test_a_drafter_that_always_agrees_is_served_from_the_cache_every_round():
     # first round drafts B-1 = 3; every later round reuses the full-acceptance branch (B-2 = 2 drafts + bonus)
     assert added_per_round(stats) == [4, 3, 3, 3, 3, 3]
     assert served_from_cache(stats) == [False] + [True] * 5
-    assert stats.hit_rate == 1.0 and stats.cache_hits == 5 and generator.budget_tokens == 4 * (3 * 2 + 2)
+    assert stats.hit_rate == 1.0 and stats.branch_hits == 5 and generator.budget_tokens == 4 * (3 * 2 + 2)
 
 
 def test_a_drafter_that_is_always_wrong_misses_and_drafts_synchronously():
@@ -82,7 +82,7 @@ def test_a_drafter_that_is_always_wrong_misses_and_drafts_synchronously():
     with drafter.async_generator(coverage=4, fanout=0) as generator:
         out = target.generate(torch.tensor([[5]]), max_new_tokens=6, do_sample=False, assistant_model=generator)
         stats = generator.settle(out)
-    assert stats.tau == 1.0 and stats.cache_hits == 0 and stats.hit_rate == 0.0
+    assert stats.tau == 1.0 and stats.branch_hits == 0 and stats.hit_rate == 0.0
 
 
 def test_async_sampling_matches_the_target_distribution():
@@ -241,5 +241,5 @@ def test_greedy_output_is_identical_with_the_drafter_on_a_gpu(target_device):
             reference = target.generate(prompt, max_new_tokens=40, do_sample=False)
             speculative = target.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=generator)
             assert torch.equal(reference, speculative)
-            hits += generator.settle(speculative).cache_hits
+            hits += generator.settle(speculative).branch_hits
     assert hits > 0

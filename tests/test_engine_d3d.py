@@ -73,7 +73,7 @@ def test_every_row_of_a_mixed_length_batch_equals_the_target_alone(asynchronous)
         assert out.shape == (len(prompts), ids.shape[1] + 23)
         for row, prompt in enumerate(prompts):
             assert out[row, ids.shape[1] :].tolist() == alone(target, prompt, 23), (vocab, block, seed, row)
-        stats = drafter.generation_stats
+        stats = drafter.round_record
         assert stats.new_tokens == 23 * len(prompts) and all(1 <= n <= block for n in stats.accepted)
         assert sum(n * count for n, count in stats.accepted.items()) == stats.new_tokens
         accepted += stats.accepted
@@ -92,7 +92,7 @@ def test_generate_applies_its_sampling_processors_to_every_row():
                                  temperature=0.5, policy=False)  # the block every round
     for row, prompt in enumerate(prompts):
         assert out[row, ids.shape[1] :].tolist() == alone(target, prompt, 20)
-    assert max(drafter.generation_stats.accepted) >= 2
+    assert max(drafter.round_record.accepted) >= 2
 
 
 def test_rows_stop_at_their_own_eos_and_the_others_go_on():
@@ -125,7 +125,7 @@ def test_a_row_stopping_at_eos_leaves_the_batch_at_once():
     assert [row.key for row in decoder.rows] == ["runs"]
     outputs = {"runs": first["runs"].added}
     drive(decoder, outputs)
-    assert outputs["runs"] == [7] * 9 and decoder.record.accepted == {1: 2, 4: 2}
+    assert outputs["runs"] == [7] * 9 and decoder.round_record.accepted == {1: 2, 4: 2}
 
 
 class ForwardShapes:
@@ -166,9 +166,9 @@ def test_requests_joining_mid_run_match_the_target_alone_without_recomputing_pre
     prefills = [(1, len(p) - 1) for p in prompts.values() if len(p) > 1]
     rounds = [shape for shape in target_shapes.shapes if shape not in prefills]
     assert all(width == 16 for _, width in rounds)  # after its prefill a row costs one block per round, nothing more
-    assert sum(rows for rows, _ in rounds) == decoder.record.row_rounds
+    assert sum(rows for rows, _ in rounds) == decoder.round_record.row_rounds
     drafts = [shape for shape in drafter_shapes.shapes if shape not in prefills]
-    assert len(drafts) == decoder.record.rounds and all(width <= 2 * 16 for _, width in drafts)
+    assert len(drafts) == decoder.round_record.rounds and all(width <= 2 * 16 for _, width in drafts)
 
 
 def test_removing_a_row_leaves_the_others_unchanged_greedy_and_sampled():
@@ -273,8 +273,9 @@ def test_each_sampled_row_follows_the_target_distribution(sampling_models, kind,
             outputs.setdefault(outcome.key, []).extend(outcome.added)
             if outcome.finished:
                 counts[outcome.key[0]][tuple(outputs.pop(outcome.key))] += 1
-    assert 1 in decoder.record.accepted and max(decoder.record.accepted) >= 2
-    assert kind == "sync" or 0 < decoder.record.cache_hits < decoder.record.lookups  # async rows used prepared branches
+    assert 1 in decoder.round_record.accepted and max(decoder.round_record.accepted) >= 2
+    record = decoder.round_record
+    assert kind == "sync" or 0 < record.branch_hits < record.lookups  # async rows used prepared branches
     for name, prompt in prompts.items():
         expected = exact_distribution(target, torch.tensor([prompt]))
         assert chi_square_p_value(counts[name], expected, SAMPLES) > 1e-3, name
@@ -398,7 +399,7 @@ def test_asynchronous_rows_joining_and_stopping_match_the_target_alone_and_hit_b
         for key, prompt in enumerate(prompts):
             assert outputs[key] == alone(target, prompt, 20 + key, **kwargs), (vocab, block, eos, key)
             compared += 1
-        hits, lookups = hits + decoder.record.cache_hits, lookups + decoder.record.lookups
+        hits, lookups = hits + decoder.round_record.branch_hits, lookups + decoder.round_record.lookups
     assert compared == 30 and 0 < hits < lookups  # both hits and misses happened
 
 
@@ -502,7 +503,7 @@ def check_record(record: RoundRecord, block_size: int) -> None:
     assert record.new_tokens == sum(len(outcome.added) for outcome in outcomes)
     assert sum(n * count for n, count in record.accepted.items()) == record.new_tokens
     assert sum(record.histogram(block_size)) == record.row_rounds and max(record.accepted) <= block_size
-    assert record.cache_hits == sum(outcome.from_cache for outcome in outcomes) <= record.lookups
+    assert record.branch_hits == sum(outcome.from_branch for outcome in outcomes) <= record.lookups
     assert all(outcome.accepted_drafts <= len(outcome.added) - (not outcome.finished) for outcome in outcomes)
     for timing in timings:
         assert min(timing.verify, timing.exposed_draft, timing.hidden_draft, timing.host) >= 0
@@ -534,7 +535,7 @@ def test_the_round_record_of_a_generate_call_adds_up_to_its_output(path):
     assert any(len(reference) < 21 for reference in references)  # a row stopped at EOS
     check_record(record, 1 if path == "alone" else 5)
     if path == "async":
-        assert 0 < record.cache_hits <= record.lookups and record.hidden_draft_seconds > 0
+        assert 0 < record.branch_hits <= record.lookups and record.hidden_draft_seconds > 0
     if path == "alone":
         assert set(record.accepted) == {1} and record.exposed_draft_seconds == 0
 
@@ -552,10 +553,10 @@ def test_each_rounds_timing_fits_inside_the_step_that_ran_it(kind):
         for outcome in decoder.step():
             outputs.setdefault(outcome.key, []).extend(outcome.added)
         wall = time.perf_counter() - start
-        assert decoder.record.history[-1][1].total <= wall
+        assert decoder.round_record.history[-1][1].total <= wall
     decoder.close()
-    assert decoder.record.new_tokens == sum(len(tokens) for tokens in outputs.values()) == 45
-    check_record(decoder.record, 4)
+    assert decoder.round_record.new_tokens == sum(len(tokens) for tokens in outputs.values()) == 45
+    check_record(decoder.round_record, 4)
 
 
 def test_a_criterion_that_fires_before_an_eos_in_the_same_round_stops_there():

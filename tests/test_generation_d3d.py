@@ -92,8 +92,8 @@ def test_greedy_output_is_token_identical_to_the_targets_own_generate(setup, pat
             if "every-choice" in path:
                 settings["policy"] = EveryChoice(drafter.config.block_size)
             out = target.generate(ids, custom_generate=speculative_generate, drafter=drafter, **settings, **kwargs)
-            accepted |= set(drafter.generation_stats.accepted)
-            verified |= set(drafter.generation_stats.verified)
+            accepted |= set(drafter.round_record.accepted)
+            verified |= set(drafter.round_record.verified)
         elif path == "target-alone":
             record = RoundRecord()
             out = target.generate(ids, custom_generate=speculative_generate, drafter=None, round_record=record, **kwargs)
@@ -183,8 +183,9 @@ def test_stop_string_criteria_passed_to_custom_generate_directly_are_lossless():
 def run_path(path: str, target, drafter, ids: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor, RoundRecord]:
     """The output, the prompt the target read (reduced under selective prefill) and the round record."""
     if path == "selective-prefill":
-        result = drafter.speculative_generate(target, ids, selective_prefill=0.5, chunk_size=4, policy=False, **kwargs)
-        return result.output, result.prompt_ids, result.stats
+        result = drafter.selective_prefill_generate(target, ids, selective_prefill=0.5, chunk_size=4, policy=False,
+                                                    **kwargs)
+        return result.output, result.prompt_ids, result.round_record
     record = RoundRecord()
     # the drafter's block every round (the default policy's choices follow measured times)
     settings = dict(asynchronous=True, coverage=3, fanout=2, policy=False) if path == "async" else dict(policy=False)
@@ -260,7 +261,7 @@ def test_stop_conditions_on_random_prompts_are_token_identical_to_the_target_alo
                 assert out[row, ids.shape[1] : ids.shape[1] + len(reference)].tolist() == reference, (seed, row)
                 compared += 1
             free = drafter.generate_batch(target, prompts[0][None], max_new_tokens=16, do_sample=False, policy=False)
-            inside += stop_inside_a_round(drafter.generation_stats, chosen[0][1])
+            inside += stop_inside_a_round(drafter.round_record, chosen[0][1])
             continue
         for prompt, (token, position) in zip(prompts, chosen):
             kwargs = dict(max_new_tokens=16, do_sample=False, **stop_kwargs(kind, token))
@@ -293,8 +294,8 @@ def test_a_streamer_through_the_front_doors_gets_the_prompt_then_each_round(path
     streamer = RecordingStreamer()
     kwargs = dict(max_new_tokens=20, do_sample=False, streamer=streamer)
     if path == "selective-prefill":
-        result = drafter.speculative_generate(target, ids, selective_prefill=0.5, chunk_size=4, **kwargs)
-        out, prompt, record = result.output, result.prompt_ids, result.stats
+        result = drafter.selective_prefill_generate(target, ids, selective_prefill=0.5, chunk_size=4, **kwargs)
+        out, prompt, record = result.output, result.prompt_ids, result.round_record
     else:
         record = RoundRecord()
         out = drafter.generate_batch(target, ids, asynchronous=path == "async", round_record=record, **kwargs)

@@ -53,7 +53,7 @@ GREEDY = """
     # the drafter came from the same folder, in the target's dtype, kept beside (not inside) the target
     drafter = target.d3d_drafter
     assert type(drafter).__module__.startswith("transformers_modules.") and drafter.dtype == target.dtype
-    assert drafter.generation_stats.new_tokens == 7 and drafter.generation_stats.rounds >= 1
+    assert drafter.round_record.new_tokens == 7 and drafter.round_record.rounds >= 1
     assert "generate" not in drafter.__dict__  # the folder's custom_generate is not bound as the drafter's own
     assert set(target.state_dict()) == set(state) and not any("d3d" in name for name, _ in target.named_modules())
 
@@ -80,10 +80,10 @@ GREEDY = """
     for row, p in enumerate(prompts):
         reference = target.generate(p[None], **settings)[0, len(p):].tolist()
         assert out[row, width:width + len(reference)].tolist() == reference, row
-    assert sum(target.d3d_drafter.generation_stats.verified.values()) > 0
+    assert sum(target.d3d_drafter.round_record.verified.values()) > 0
     mine = AutoModel.from_pretrained(drafter_folder, trust_remote_code=True).eval()
     out = target.generate(ids, attention_mask=mask, drafter=mine, **hub, **settings)
-    assert mine.generation_stats.new_tokens > 0 and target.d3d_drafter is drafter
+    assert mine.round_record.new_tokens > 0 and target.d3d_drafter is drafter
     assert torch.equal(target.state_dict()["lm_head.weight"], state["lm_head.weight"])
     mine.save_pretrained("resaved")  # saved again from its remote code: the front door travels with it
     front_door = "/custom_generate/generate.py"
@@ -108,7 +108,7 @@ SAMPLING = """
     ids = torch.tensor([json.loads(prompt)]).repeat(int(samples), 1)
     out = target.generate(ids, max_new_tokens=int(new_tokens), do_sample=True, custom_generate=drafter_folder,
                           trust_remote_code=True, **json.loads(settings))
-    record = target.d3d_drafter.generation_stats
+    record = target.d3d_drafter.round_record
     print(json.dumps({"tails": out[:, ids.shape[1]:].tolist(), "accepted": dict(record.accepted)}))
 """
 

@@ -32,9 +32,10 @@ def decode(door: str, target, drafter, input_ids, attention_mask) -> torch.Tenso
     if door == "generate_batch":
         return drafter.generate_batch(target, input_ids, **settings)
     if door == "speculative_generate":
-        return drafter.speculative_generate(target, input_ids, **settings).sequences
+        return drafter.selective_prefill_generate(target, input_ids, **settings).sequences
     if door == "selective prefill":
-        return drafter.speculative_generate(target, input_ids, selective_prefill=0.5, chunk_size=2, **settings).sequences
+        return drafter.selective_prefill_generate(target, input_ids, selective_prefill=0.5, chunk_size=2,
+                                                  **settings).sequences
     return target.generate(input_ids, custom_generate=speculative_generate, drafter=drafter, **settings)
 
 

@@ -202,15 +202,15 @@ def sampled_counts(target, drafter, kind: str) -> tuple[Counter, SpeculativeEngi
 def test_sampled_rows_under_every_kind_of_plan_follow_the_target_distribution(sampling_models, kind):
     target, drafter, expected = sampling_models
     counts, engine = sampled_counts(target, drafter, kind)
-    assert set(engine.record.verified) == {NOTHING, BLOCK, LOOKUP}
-    assert max(engine.record.accepted) >= 2  # drafts were accepted, lookups among them
+    assert set(engine.round_record.verified) == {NOTHING, BLOCK, LOOKUP}
+    assert max(engine.round_record.accepted) >= 2  # drafts were accepted, lookups among them
     assert chi_square_p_value(counts, expected, SAMPLES) > 1e-3
 
 
 def test_a_plan_that_peeks_at_the_verification_fails_the_test(sampling_models):
     target, drafter, expected = sampling_models
     counts, engine = sampled_counts(target, drafter, "peeking")
-    assert engine.record.verified[LOOKUP] > 0
+    assert engine.round_record.verified[LOOKUP] > 0
     assert chi_square_p_value(counts, expected, SAMPLES) < 1e-6
 
 

@@ -27,13 +27,13 @@ FRESH_PROCESS = """
     assert torch.equal(target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=model), plain)
     with model.async_generator() as generator:
         assert torch.equal(target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=generator), plain)
-    selective = model.speculative_generate(target, ids, selective_prefill=0.5, chunk_size=3, max_new_tokens=12)
+    selective = model.selective_prefill_generate(target, ids, selective_prefill=0.5, chunk_size=3, max_new_tokens=12)
     assert selective.selection.kept == model.select_prompt_chunks(ids, 0.5, 3).kept
     assert torch.equal(selective.sequences, target.generate(selective.prompt_ids, max_new_tokens=12, do_sample=False))
     batch = torch.cat([ids, ids.flip(1)])
     assert torch.equal(model.generate_batch(target, batch, max_new_tokens=12, do_sample=False),
                        torch.cat([target.generate(row[None], max_new_tokens=12, do_sample=False) for row in batch]))
-    assert model.generation_stats.new_tokens == 24
+    assert model.round_record.new_tokens == 24
     with model.batch_server(target, max_batch_size=2) as server:
         assert server.submit(ids, max_new_tokens=12).result(timeout=60) == plain[0, ids.shape[1]:].tolist()
     print("loaded", type(model).__module__)

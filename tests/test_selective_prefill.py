@@ -38,7 +38,7 @@ def test_full_retention_is_plain_d3d_and_target_greedy(models):
     assert torch.equal(result.sequences, greedy)
     assert torch.equal(result.sequences, plain)
     assert result.selection is None and torch.equal(result.prompt_ids, ids)
-    assert result.stats.new_tokens == NEW_TOKENS
+    assert result.round_record.new_tokens == NEW_TOKENS
 
 
 @pytest.mark.parametrize("retention", [0.1, 0.3, 0.6])
@@ -53,7 +53,7 @@ def test_reduced_output_is_the_targets_greedy_output_on_the_kept_chunks(models, 
     assert torch.equal(result.prompt_ids, reduced)
     assert reduced.shape[1] < ids.shape[1]
     assert torch.equal(result.sequences, target.generate(reduced, max_new_tokens=NEW_TOKENS, do_sample=False))
-    assert result.stats.new_tokens == NEW_TOKENS
+    assert result.round_record.new_tokens == NEW_TOKENS
 
 
 @torch.no_grad()
@@ -236,7 +236,7 @@ def test_the_drafter_methods_are_the_functions(models):
     function = select_prompt_chunks(drafter, ids, 0.3, 8)
     assert method.kept == function.kept
     torch.testing.assert_close(method.scores, function.scores)
-    generated = drafter.speculative_generate(target, ids, selective_prefill=0.3, chunk_size=8, max_new_tokens=8)
+    generated = drafter.selective_prefill_generate(target, ids, selective_prefill=0.3, chunk_size=8, max_new_tokens=8)
     assert generated.selection.kept == function.kept
     assert torch.equal(generated.sequences, d3d_generate(target, drafter, ids, 0.3, 8, max_new_tokens=8).sequences)
 
@@ -261,5 +261,6 @@ def test_sampling_on_the_reduced_prompt_runs_and_records_its_rounds(models):
         target, drafter, ids, selective_prefill=0.2, chunk_size=16, max_new_tokens=10, do_sample=True, top_k=20
     )
     assert result.new_tokens.shape == (1, 10)
-    assert result.stats.new_tokens == 10 and sum(len(o.added) for outcomes, _ in result.stats.history for o in outcomes) == 10
+    record = result.round_record
+    assert record.new_tokens == 10 and sum(len(o.added) for outcomes, _ in record.history for o in outcomes) == 10
     assert result.prompt_ids.shape[1] == result.selection.kept_length < ids.shape[1]

@@ -62,9 +62,10 @@ def test_concurrent_requests_stream_their_own_tokens(models, asynchronous, choos
         for index, handle in enumerate(handles):
             assert handle.result(timeout=WAIT) == alone(target, requests[index], 10 + index)
             assert sum(chunks[index], []) == handle.tokens and len(chunks[index]) == handle.rounds
-        assert server.stats.rounds > 0 and server.stats.new_tokens == sum(10 + i for i in range(len(requests)))
-        assert (server.stats.hit_rate is not None) == asynchronous
-        assert set(server.stats.verified) == ({"nothing", "block", "lookup"} if chooser else {"block"})
+        record = server.round_record
+        assert record.rounds > 0 and record.new_tokens == sum(10 + i for i in range(len(requests)))
+        assert (record.hit_rate is not None) == asynchronous
+        assert set(record.verified) == ({"nothing", "block", "lookup"} if chooser else {"block"})
 
 
 def test_a_finished_stream_can_be_read_again_and_bad_requests_are_refused(models):
@@ -216,7 +217,8 @@ def test_stop_strings_and_custom_criteria_stop_where_the_target_alone_stops(mode
                 out = target.generate(torch.tensor([prompt]), max_new_tokens=25, do_sample=False, tokenizer=tokenizer, **stop)
                 assert result == out[0, len(prompt):].tolist()
             assert any(len(result) < 25 for result in results), "some row stopped early"
-        assert max(len(outcomes) for outcomes, _ in server.stats.history) == len(requests), "rows decoded together"
+        rounds = server.round_record.history
+        assert max(len(outcomes) for outcomes, _ in rounds) == len(requests), "rows decoded together"
 
 
 def test_stop_strings_need_the_tokenizer_and_beam_search_is_refused_at_submission(models):
@@ -226,7 +228,7 @@ def test_stop_strings_need_the_tokenizer_and_beam_search_is_refused_at_submissio
             server.submit([1, 2], max_new_tokens=4, stop_strings=["w1"])
         with pytest.raises(ValueError, match="beam"):
             server.submit([1, 2], max_new_tokens=4, num_beams=3)
-        assert server.stats.rounds == 0 and not server._queues.waiting
+        assert server.round_record.rounds == 0 and not server._queues.waiting
 
 
 def test_a_requests_own_eos_reaches_the_processors_that_need_it(models):
@@ -257,7 +259,7 @@ def test_a_seeded_request_samples_the_same_tokens_alone_and_batched(models, asyn
             handles = [server.submit(p, seed=7 if i == 0 else 100 + i, **settings) for i, p in enumerate(requests)]
         batched = [handle.result(timeout=WAIT) for handle in handles]
         if asynchronous:
-            assert 0 < server.stats.hit_rate < 1, "rounds where some rows hit and others missed"
+            assert 0 < server.round_record.hit_rate < 1, "rounds where some rows hit and others missed"
     assert batched[0] == solo
 
 

@@ -40,8 +40,9 @@ def test_token_kinds_split_accepted_drafts_from_the_target_token(space_models):
     _, drafter, _ = space_models
     outcome = engine_modules(drafter)[0].RoundOutcome
     assert token_kinds(outcome(0, [5, 6, 9], False, accepted_drafts=2)) == [DRAFT, DRAFT, TARGET]
-    assert token_kinds(outcome(0, [5, 6, 7, 8, 4], False, accepted_drafts=4, from_cache=True)) == [CACHE] * 4 + [TARGET]
-    assert token_kinds(outcome(0, [3], True, accepted_drafts=0, from_cache=True)) == [TARGET]
+    served = outcome(0, [5, 6, 7, 8, 4], False, accepted_drafts=4, from_branch=True)
+    assert token_kinds(served) == [CACHE] * 4 + [TARGET]
+    assert token_kinds(outcome(0, [3], True, accepted_drafts=0, from_branch=True)) == [TARGET]
     assert token_kinds(outcome(0, [5, 6], True, accepted_drafts=2)) == [DRAFT, DRAFT]  # the length limit cut the drafts
     assert token_kinds(outcome(0, [5, 6, 1], False, accepted_drafts=2, verified="lookup")) == [LOOKUP] * 2 + [TARGET]
 
@@ -64,17 +65,17 @@ def test_live_kinds_and_statistics_agree_with_the_engine_and_the_target(space_mo
         seen.append((len(live.tokens), live.done))
     assert seen[-1] == (len(reference), True) and not any(done for _, done in seen[:-1])
     assert live.tokens == reference and live.text == reference_text
-    record = live.record
+    record = live.round_record
     outcomes = [outcome for round_outcomes, _ in record.history for outcome in round_outcomes]
     assert live.accepted_lengths == [len(outcome.added) for outcome in outcomes] and record.rounds == len(live.rounds)
-    assert live.hit_rate == pytest.approx(record.cache_hits / record.lookups)
+    assert live.hit_rate == pytest.approx(record.branch_hits / record.lookups)
     assert live.tau == pytest.approx(len(reference) / len(live.rounds))
     context = prompt_ids[0].tolist()
     for round_, outcome in zip(live.rounds, outcomes):
-        assert round_.kinds == [CACHE if outcome.from_cache else DRAFT] * outcome.accepted_drafts + [TARGET] * (
+        assert round_.kinds == [CACHE if outcome.from_branch else DRAFT] * outcome.accepted_drafts + [TARGET] * (
             len(round_.tokens) - outcome.accepted_drafts)
-        assert round_.served == ("cache hit" if outcome.from_cache else "drafting pass")
-        if not outcome.from_cache:  # a drafting pass: its accepted drafts are the drafter's block draft's own
+        assert round_.served == ("cache hit" if outcome.from_branch else "drafting pass")
+        if not outcome.from_branch:  # a drafting pass: its accepted drafts are the drafter's block draft's own
             assert outcome.accepted_drafts == matched_drafts(drafter, context, round_.tokens, BLOCK_SIZE - 1)
         context += round_.tokens
     assert all(kinds[-1] == TARGET for kinds in (r.kinds for r in live.rounds[:-1]))

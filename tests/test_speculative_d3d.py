@@ -118,7 +118,7 @@ def test_statistics_before_settle_cover_the_rounds_already_decided():
     always_predicts(target, 7)
     always_predicts(drafter, 7)
     speculative = target.generate(torch.tensor([[1]]), max_new_tokens=12, do_sample=False, assistant_model=drafter)
-    stats = drafter.generation_stats
+    stats = drafter.round_record
     assert stats.rounds == 2 and added_per_round(stats) == [4, 4]
     assert drafter.settle(speculative) is stats and stats.rounds == 3 and stats.new_tokens == 12
 
@@ -144,7 +144,7 @@ def test_repeated_calls_on_one_drafter_leak_no_state():
     for prompt, out_first, out_again in zip(prompts, first, reversed(again)):
         assert torch.equal(out_first, out_again)
         assert torch.equal(out_first, target.generate(prompt, max_new_tokens=20, do_sample=False))
-    assert drafter.generation_stats is not first_stats
+    assert drafter.round_record is not first_stats
     with pytest.raises(ValueError, match="another generate call"):
         drafter.settle(first[1])
     assert drafter.settle(again[-1]).new_tokens == again[-1].shape[1] - prompts[0].shape[1]

@@ -53,19 +53,19 @@ def timed(generate, ids: torch.Tensor, mask: torch.Tensor, device) -> tuple[torc
     return sequences.cpu(), time.perf_counter() - began
 
 
-COUNTERS = ("new_tokens", "row_rounds", "rounds", "lookups", "cache_hits")
+COUNTERS = ("new_tokens", "row_rounds", "rounds", "lookups", "branch_hits")
 
 
 def served(server: D3DBatchServer, ids: torch.Tensor, mask: torch.Tensor, pad_token_id: int, max_new_tokens: int,
            record: RoundRecord) -> torch.Tensor:
     """The left-padded group `(c, P)` submitted to `server` at once, as `(c, P + longest)` sequences padded with
     `pad_token_id`; `record` gets the server's round counters of this group."""
-    before = {key: getattr(server.stats, key) for key in COUNTERS}
+    before = {key: getattr(server.round_record, key) for key in COUNTERS}
     handles = [server.submit(row[mask[i].bool()].tolist(), max_new_tokens=max_new_tokens, do_sample=False)
                for i, row in enumerate(ids)]
     rows = [handle.result(timeout=3600) for handle in handles]
     for key in COUNTERS:
-        setattr(record, key, getattr(server.stats, key) - before[key])
+        setattr(record, key, getattr(server.round_record, key) - before[key])
     return pad_outputs(ids.cpu(), dict(enumerate(rows)), GenerationConfig(pad_token_id=pad_token_id))
 
 
@@ -135,7 +135,7 @@ def concurrency_benchmark(
                 "speedup": speed[name] / speed["baseline"],
                 "tau": total["new_tokens"] / total["row_rounds"],
                 "batched_rounds": total["rounds"],
-                "hit_rate": total["cache_hits"] / total["lookups"] if total["lookups"] else None,
+                "hit_rate": total["branch_hits"] / total["lookups"] if total["lookups"] else None,
                 "lossless": outputs[name] == outputs["baseline"],
                 "seconds": seconds[name],
             }

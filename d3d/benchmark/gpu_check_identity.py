@@ -77,7 +77,7 @@ def compare(reference_ids: torch.Tensor, scores: torch.Tensor, output: torch.Ten
 
 
 def stats_summary(drafter) -> dict:
-    record = drafter.generation_stats
+    record = drafter.round_record
     if record is None:
         return {}
     return {"rounds": record.rounds, "tau": round(record.tau, 3), "accepted": dict(sorted(record.accepted.items())),
@@ -260,7 +260,7 @@ class CompileWatch:
 
 def finishing_rounds(drafter) -> list[int]:
     """The rounds (1-based) in which rows finished, from the round record's history."""
-    record = drafter.generation_stats
+    record = drafter.round_record
     if record is None:
         return []
     return [i + 1 for i, (outcomes, _) in enumerate(record.history) for outcome in outcomes if outcome.finished]

@@ -133,7 +133,7 @@ def engine_tau(target, drafter, ids, mask, settings: dict, token: int, bias: flo
     """Tokens per row per round of the synchronous engine with `token` biased by `bias` (drafter forced to it)."""
     with forced_head(target, token, bias), forced_head(drafter, token):
         drafter.generate_batch(target, ids, attention_mask=mask, policy=False, **settings)
-    return drafter.generation_stats.tau
+    return drafter.round_record.tau
 
 
 def calibrate_tau(target, drafter, ids, mask, settings: dict, token: int, goal: float = PAPER_TAU,
@@ -174,10 +174,10 @@ def timing_rows(context: Context, rows: int) -> dict:
     for mode in ("sync", "async"):
         seconds = timed_generate(lambda: drafter.generate_batch(target, ids, attention_mask=mask, **settings,
                                                                 **MODES[mode]), device)
-        measured[f"{mode}_random_drafter"] = record_split(drafter.generation_stats, seconds)
+        measured[f"{mode}_random_drafter"] = record_split(drafter.round_record, seconds)
     # the front door's default, the verify policy: with a drafter that keeps nothing it should run as the target alone
     seconds = timed_generate(lambda: drafter.generate_batch(target, ids, attention_mask=mask, **settings), device)
-    measured["sync_random_drafter_policy"] = record_split(drafter.generation_stats, seconds)
+    measured["sync_random_drafter_policy"] = record_split(drafter.round_record, seconds)
     measured["sync_random_drafter_policy"]["speedup_vs_generate"] = round(
         measured["sync_random_drafter_policy"]["tokens_per_s"] / out["generate_tokens_per_s"], 2)
     token = 7
@@ -189,7 +189,7 @@ def timing_rows(context: Context, rows: int) -> dict:
         for mode in ("sync", "async"):
             seconds = timed_generate(lambda: drafter.generate_batch(target, ids, attention_mask=mask, **forced,
                                                                     **MODES[mode]), device)
-            split = record_split(drafter.generation_stats, seconds)
+            split = record_split(drafter.round_record, seconds)
             split["speedup_vs_generate"] = round(split["tokens_per_s"] / out["generate_tokens_per_s"], 2)
             measured[f"{mode}_forced_tau"] = split
     out["engine_measured"] = measured

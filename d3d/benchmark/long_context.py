@@ -147,7 +147,7 @@ def run_setting(target, drafter, example: LongContextExample, run: SettingRun, m
             target, drafter, ids, selective_prefill=run.retention, chunk_size=chunk_size,
             max_new_tokens=max_new_tokens, do_sample=False, streamer=timer,
         )
-        sequences, prompt, tau = result.sequences, result.prompt_ids, result.stats.tau
+        sequences, prompt, tau = result.sequences, result.prompt_ids, result.round_record.tau
         kept_spans = result.selection.kept_spans if result.selection is not None else [(0, ids.shape[1])]
     synchronize(target.device)
     end = time.perf_counter()

@@ -42,7 +42,7 @@ class MethodRun:
     seconds: float = 0.0
     new_tokens: int = 0
     rounds: int = 0
-    cache_hits: int = 0
+    branch_hits: int = 0
     lookups: int = 0
     verify_seconds: float | None = None
     exposed_draft_seconds: float | None = None
@@ -56,12 +56,13 @@ class MethodRun:
 
     @property
     def tau(self) -> float:
-        """Tokens per target forward pass (1.0 for the target alone)."""
+        """τ over the prompt set: tokens per row round (`RoundRecord.tau`; one prompt a call, so a round is one
+        target forward pass, also for methods outside the engine; 1.0 for the target alone)."""
         return self.new_tokens / self.rounds if self.rounds else float("nan")
 
     @property
     def hit_rate(self) -> float | None:
-        return self.cache_hits / self.lookups if self.lookups else None
+        return self.branch_hits / self.lookups if self.lookups else None
 
     def ms_per_round(self, seconds: float | None = None) -> float | None:
         """Milliseconds per round of `seconds` (default: the whole wall-clock time, prefill included)."""
@@ -73,7 +74,7 @@ class MethodRun:
         drafting seconds."""
         self.rounds += record.rounds
         self.lookups += record.lookups
-        self.cache_hits += record.cache_hits
+        self.branch_hits += record.branch_hits
         self.verify_seconds = (self.verify_seconds or 0.0) + record.verify_seconds
         self.exposed_draft_seconds = (self.exposed_draft_seconds or 0.0) + record.exposed_draft_seconds
         self.compilations += record.compilations
@@ -85,7 +86,7 @@ def decode_one(target, prompt: torch.Tensor, max_new_tokens: int, run: MethodRun
     """Decode `prompt` `(1, L)` with `target.generate(**generate_kwargs)`, greedy or with `sampling` (`do_sample`,
     `temperature`, `top_p`, `top_k`), and add to `run`: time, tokens and
     rounds, read from the engine's `RoundRecord` for `custom_generate` calls and counted by a streamer otherwise;
-    cache hits for D3D (the engine's record, or an `assistant_model=` adapter's `generation_stats`)."""
+    branch hits for D3D (the round record of the engine, or of an `assistant_model=` adapter)."""
     engine = "custom_generate" in generate_kwargs
     assistant = generate_kwargs.get("assistant_model")
     record = RoundRecord()
@@ -110,7 +111,7 @@ def decode_one(target, prompt: torch.Tensor, max_new_tokens: int, run: MethodRun
     if settle is not None and len(new) > 1:
         stats = settle(output.cpu())
         if stats is not None:
-            run.cache_hits += stats.cache_hits
+            run.branch_hits += stats.branch_hits
             run.lookups += stats.lookups
 
 
