@@ -145,3 +145,14 @@ def test_docs_repeat_the_readme_commands_unchanged(marker, page):
     text = (ROOT / "docs" / page).read_text()
     for command in marked_block(README.read_text(), marker).splitlines():
         assert command in text.splitlines(), f"docs/{page} lacks the README's command {command!r}"
+
+
+def test_results_open_with_a_complete_contents_list():
+    """docs/results.md lists every dated section, in order, under its contents (a new section must be added there)."""
+    text = FENCE.sub("", (ROOT / "docs" / "results.md").read_text())
+    dated = re.findall(r"^## (\d{4}-\d\d-\d\d: .+)$", text, re.M)
+    contents = text.split("## Contents", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"^- \[(.+)\]\(#([^)]+)\)$", contents, re.M)
+    assert [title for title, _ in listed] == dated
+    assert all(anchor == slug(title) for title, anchor in listed)
+    assert text.index("## Current numbers") < text.index("## Contents") < text.index(f"## {dated[0]}")
