@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from d3d.benchmark.train_cost import (SHAPES, full_logits_loss_terms, layer_activation_bytes, random_batch,
-                                      random_drafter)
+                                      random_drafter_of)
 from d3d.cli.main import main
 from d3d.trainer.d3d_trainer import d3d_loss_terms, training_attention
 
@@ -42,7 +42,7 @@ def test_gradient_checkpointing_gives_the_same_losses_and_gradients():
     batch = random_batch(shape, "cpu")
     gradients = []
     for checkpointing in (False, True):
-        model = random_drafter(shape, "cpu", torch.float64).train()
+        model = random_drafter_of(shape, "cpu", torch.float64).train()
         if checkpointing:
             model.activation_checkpointing_enable({"use_reentrant": False})
         terms = d3d_loss_terms(model, batch, 7.0, 1.0)
@@ -56,7 +56,7 @@ def test_gradient_checkpointing_gives_the_same_losses_and_gradients():
 
 def test_the_baseline_full_logits_losses_equal_the_hidden_state_losses():
     shape = SHAPES["tiny"]
-    model, batch = random_drafter(shape, "cpu", torch.float64), random_batch(shape, "cpu")
+    model, batch = random_drafter_of(shape, "cpu", torch.float64), random_batch(shape, "cpu")
     full, hidden = full_logits_loss_terms(model, batch, 7.0, 0.5), d3d_loss_terms(model, batch, 7.0, 0.5)
     for name in ("diffusion", "ar", "loss"):
         torch.testing.assert_close(hidden[name], full[name], rtol=1e-12, atol=1e-12)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from d3d.common.measure import MethodRun, decode_one
+from d3d.common.measure import MethodRun, decode_one, timed
 from modeling_d3d.generation_d3d import speculative_generate
 from modeling_d3d.policy_d3d import BLOCK, LOOKUP, NOTHING
 from modeling_d3d.successor_d3d import DEFAULT_COVERAGE, DEFAULT_FANOUT
@@ -126,20 +126,13 @@ def sweep_budgets(target, drafter, prompts, max_new_tokens: int, grid: list[tupl
     return rows
 
 
-def timed_call(fn) -> float:
-    """Wall-clock seconds of `fn()`."""
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def run_methods(target, methods: list[Method], prompts: list[torch.Tensor], max_new_tokens: int,
                 sampling: dict | None = None) -> tuple[list[MethodRun], list[float]]:
     """Decode every prompt with every method, interleaved so machine drift hits all alike, after one warm-up call
     each. Returns the runs and each method's warm-up seconds (for compiled methods: the compile time)."""
     runs = [MethodRun(method.name) for method in methods]
-    warmups = [timed_call(lambda m=method: decode_one(target, prompts[0], max_new_tokens, MethodRun("warmup"),
-                                                      sampling, **m.generate_kwargs)) for method in methods]
+    warmups = [timed(lambda m=method: decode_one(target, prompts[0], max_new_tokens, MethodRun("warmup"), sampling,
+                                                 **m.generate_kwargs))[1] for method in methods]
     for prompt in tqdm(prompts, desc="benchmark prompts"):
         for method, run in zip(methods, runs):
             decode_one(target, prompt, max_new_tokens, run, sampling, **method.generate_kwargs)

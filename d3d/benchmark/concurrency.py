@@ -11,7 +11,6 @@ All count the same new tokens (each row up to its EOS); every D3D row is checked
 level is warmed up first.
 """
 
-import time
 from pathlib import Path
 
 import torch
@@ -21,8 +20,8 @@ from transformers import GenerationConfig
 from modeling_d3d.engine_d3d import RoundRecord
 from modeling_d3d.generation_d3d import pad_outputs
 from modeling_d3d.serving_d3d import D3DBatchServer
-from modeling_d3d.streams_d3d import synchronize
 
+from d3d.common.measure import timed
 from d3d.common.report import percent, pyplot, write_report
 
 
@@ -43,14 +42,6 @@ def new_tokens(sequences: torch.Tensor, prompt_width: int, eos_token_ids: set[in
         end = next((i + 1 for i, token in enumerate(row) if token in eos_token_ids), len(row))
         rows.append(row[:end])
     return rows
-
-
-def timed(generate, ids: torch.Tensor, mask: torch.Tensor, device) -> tuple[torch.Tensor, float]:
-    synchronize(device)
-    began = time.perf_counter()
-    sequences = generate(ids.to(device), mask.to(device))
-    synchronize(device)
-    return sequences.cpu(), time.perf_counter() - began
 
 
 COUNTERS = ("new_tokens", "row_rounds", "rounds", "lookups", "branch_hits")
@@ -79,13 +70,13 @@ def measure_level(methods: dict, groups: list, records: dict[str, RoundRecord], 
     """Every method on every group, methods interleaved group by group after a warm-up on the first group: seconds
     per method, each row's new tokens per method, and the round counters summed per recorded method."""
     for generate in methods.values():
-        timed(generate, *groups[0], device)
+        timed(lambda g=generate: g(groups[0][0].to(device), groups[0][1].to(device)), device)
     seconds = dict.fromkeys(methods, 0.0)
     outputs = {name: [] for name in methods}
     totals = {name: dict.fromkeys(COUNTERS, 0) for name in records}
     for ids, mask in groups:
         for name, generate in methods.items():
-            sequences, elapsed = timed(generate, ids, mask, device)
+            sequences, elapsed = timed(lambda g=generate: g(ids.to(device), mask.to(device)).cpu(), device)
             seconds[name] += elapsed
             outputs[name] += new_tokens(sequences, ids.shape[1], eos_ids)
             if name in totals:
@@ -200,4 +191,4 @@ def write(results: dict, output_dir: Path) -> str:
 
 
 __all__ = ["COUNTERS", "concurrency_benchmark", "fresh", "left_pad", "markdown", "measure_level", "new_tokens", "plot",
-           "served", "timed", "write"]
+           "served", "write"]

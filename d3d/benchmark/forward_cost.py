@@ -11,21 +11,21 @@ Acceptance lengths need trained weights: this says nothing about tau, only about
 
 import argparse
 import json
-import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config
 
 from d3d.common.dtype import DtypeChoice, add_argument, choose_dtype
-from modeling_d3d import D3DForBlockDiffusion
+from d3d.common.measure import timed
 from modeling_d3d.acceptance_d3d import RowSampling
 from modeling_d3d.engine_d3d import RowSettings, SpeculativeEngine
 from modeling_d3d.generation_d3d import build_engine, make_source
-from modeling_d3d.streams_d3d import synchronize
 from modeling_d3d.successor_d3d import DEFAULT_FANOUT, SuccessorSource
+
+from .random_models import random_causal_lm, random_drafter
 
 # Shapes of the paper's models (Qwen3 configs); the drafter is D3D-8B pruned to 31 layers.
 PRESETS = {
@@ -39,13 +39,6 @@ PRESETS = {
 DRAFTER_SHAPE = {"qwen3-8b": ("qwen3-8b", 31), "qwen3-32b": ("qwen3-8b", 31), "tiny": ("tiny", 2)}
 
 
-def random_model(shape: dict, layers: int | None, device: str, dtype: torch.dtype) -> Qwen3ForCausalLM:
-    """A Qwen3 causal LM of `shape` with random weights, built directly on `device`."""
-    config = Qwen3Config(**{**shape, "num_hidden_layers": layers or shape["num_hidden_layers"]})
-    with torch.device(device):
-        return Qwen3ForCausalLM._from_config(config, dtype=dtype).eval()
-
-
 def seconds(fn, repeats: int, device: torch.device) -> float:
     """Median wall-clock seconds of `fn()` over `repeats` calls after one warm-up, device work included."""
     return interleaved_seconds({"fn": (fn, device)}, repeats)["fn"]
@@ -55,15 +48,11 @@ def interleaved_seconds(calls: dict[str, tuple[Callable[[], object], torch.devic
     """Median wall-clock seconds of each `fn()` (its device's work included) over `repeats` rounds that call every
     one in turn, after one warm-up call each: drift on the machine hits them all alike."""
     for fn, device in calls.values():
-        fn()
-        synchronize(device)
+        timed(fn, device)
     times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(repeats):
         for name, (fn, device) in calls.items():
-            start = time.perf_counter()
-            fn()
-            synchronize(device)
-            times[name].append(time.perf_counter() - start)
+            times[name].append(timed(fn, device)[1])
     return {name: sorted(values)[len(values) // 2] for name, values in times.items()}
 
 
@@ -140,10 +129,10 @@ def measure(preset: str, device: str, drafter_device: str, prefix_length: int, b
             budgets: list[tuple[int, int]], repeats: int, choice: DtypeChoice) -> dict:
     dtype = choice.dtype
     shape = PRESETS[preset]
-    target = random_model(shape, None, device, dtype)
+    target = random_causal_lm(Qwen3Config(**shape), device, dtype)
     drafter_shape, drafter_layers = DRAFTER_SHAPE[preset]
-    backbone = random_model(PRESETS[drafter_shape], drafter_layers, drafter_device, dtype)
-    drafter = D3DForBlockDiffusion.from_backbone(backbone, block_size=block_size).to(drafter_device, dtype).eval()
+    drafter_config = Qwen3Config(**{**PRESETS[drafter_shape], "num_hidden_layers": drafter_layers})
+    drafter = random_drafter(drafter_config, drafter_device, dtype, block_size)
     passes = engine_pass_seconds(target, drafter, prefix_length, repeats)
     successors = successor_pass_seconds(drafter, random_prefix(target, prefix_length), budgets, repeats,
                                         passes["t_drafter_b"])

@@ -12,7 +12,9 @@ from pathlib import Path
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from modeling_d3d import D3DConfig, D3DForBlockDiffusion
+from modeling_d3d import D3DForBlockDiffusion
+
+from .random_models import random_causal_lm, random_drafter
 
 PAPER_TAU = 7.88  # the paper's accepted length per round for the pruned D3D-8B (the timing projection's input)
 
@@ -51,13 +53,12 @@ SMOKE_SHAPES = Shapes(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=
                       prefix=64)
 
 
-def model_config(shapes: Shapes, layers: int, config_class=Qwen3Config, **extra):
+def model_config(shapes: Shapes, layers: int) -> Qwen3Config:
     """A Qwen3-shaped config (sdpa attention, untied head as in Qwen3-8B, no EOS: checks set their own)."""
-    config = config_class(
+    config = Qwen3Config(
         vocab_size=shapes.vocab, hidden_size=shapes.hidden, intermediate_size=shapes.intermediate,
         num_hidden_layers=layers, num_attention_heads=shapes.heads, num_key_value_heads=shapes.kv_heads,
         head_dim=shapes.head_dim, max_position_embeddings=40_960, tie_word_embeddings=False, eos_token_id=None,
-        **extra,
     )
     config._attn_implementation = "sdpa"
     return config
@@ -66,12 +67,8 @@ def model_config(shapes: Shapes, layers: int, config_class=Qwen3Config, **extra)
 def build_models(shapes: Shapes, target_layers: int, drafter_layers: int, dtype: torch.dtype,
                  device: torch.device, seed: int = 0) -> tuple[Qwen3ForCausalLM, D3DForBlockDiffusion]:
     """A random target and a random drafter (mask token: the last id), built on `device` in `dtype`."""
-    torch.manual_seed(seed)
-    with torch.device(device):
-        target = Qwen3ForCausalLM._from_config(model_config(shapes, target_layers), dtype=dtype).eval()
-        drafter_config = model_config(shapes, drafter_layers, D3DConfig, block_size=shapes.block_size,
-                                      mask_token_id=shapes.vocab - 1)
-        drafter = D3DForBlockDiffusion._from_config(drafter_config, dtype=dtype).eval()
+    target = random_causal_lm(model_config(shapes, target_layers), device, dtype, seed)
+    drafter = random_drafter(model_config(shapes, drafter_layers), device, dtype, shapes.block_size, shapes.vocab - 1)
     return target, drafter
 
 

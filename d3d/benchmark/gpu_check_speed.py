@@ -3,42 +3,18 @@ biased heads, passes timed with CUDA events, the round projected at the paper's 
 verify pass, and a server-sized engine's allocation against an estimate."""
 
 import statistics
-import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
+from d3d.common.measure import timed
 from modeling_d3d import speculative_generate
 from modeling_d3d.streams_d3d import Clock, Fence, handoff, seconds, side_stream, synchronize, use_stream
 
 from .gpu_check_identity import MODES
 from .gpu_check_models import PAPER_TAU, Context, Shapes, forced_head, random_prompts, release_memory
-
-
-class PassClock:
-    """Milliseconds of the work between `start()` and `stop()`: CUDA events on the current stream on CUDA (the host
-    is not blocked in between), the host clock elsewhere."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        if self.cuda:
-            self.begin, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def start(self) -> None:
-        if self.cuda:
-            self.begin.record()
-        else:
-            self.started = time.perf_counter()
-
-    def stop(self) -> float:
-        if not self.cuda:
-            return 1e3 * (time.perf_counter() - self.started)
-        self.end.record()
-        self.end.synchronize()
-        return self.begin.elapsed_time(self.end)
 
 
 @dataclass
@@ -84,14 +60,13 @@ class PassTimer:
 
     def milliseconds(self, repeats: int = 8) -> float:
         """Median time of one pass (CUDA events on CUDA), after two warm-up passes."""
-        timer = PassClock(self.device)
+        clock = Clock(self.device)
         times = []
         for i in range(repeats + 2):
-            timer.start()
+            start = clock.mark()
             self.run()
-            elapsed = timer.stop()
             if i >= 2:
-                times.append(elapsed)
+                times.append(1e3 * seconds(start, clock.mark()))
         return statistics.median(times)
 
 
@@ -119,14 +94,6 @@ def record_split(record, seconds: float) -> dict:
             "host_ms": round(1e3 * record.host_seconds / rounds, 3),
             "round_ms": round(1e3 * record.seconds / rounds, 3),
             "tokens_per_s": round(record.new_tokens / seconds, 1)}
-
-
-def timed_generate(function: Callable, device: torch.device) -> float:
-    synchronize(device)
-    start = time.perf_counter()
-    function()
-    synchronize(device)
-    return time.perf_counter() - start
 
 
 def engine_tau(target, drafter, ids, mask, settings: dict, token: int, bias: float) -> float:
@@ -165,18 +132,18 @@ def timing_rows(context: Context, rows: int) -> dict:
     settings = {"max_new_tokens": n, "do_sample": False, "pad_token_id": 0}
     target.generate(ids, attention_mask=mask, **{**settings, "max_new_tokens": 4})  # warm-up
     out = {"rows": rows, "prefix": s.prefix, "new_tokens": n}
-    seconds = timed_generate(lambda: target.generate(ids, attention_mask=mask, **settings), device)
+    seconds = timed(lambda: target.generate(ids, attention_mask=mask, **settings), device)[1]
     out["generate_tokens_per_s"] = round(rows * n / seconds, 1)
-    seconds = timed_generate(lambda: target.generate(ids, attention_mask=mask, custom_generate=speculative_generate,
-                                                     **settings), device)
+    seconds = timed(lambda: target.generate(ids, attention_mask=mask, custom_generate=speculative_generate,
+                                                     **settings), device)[1]
     out["engine_alone_tokens_per_s"] = round(rows * n / seconds, 1)
     measured = {}
     for mode in ("sync", "async"):
-        seconds = timed_generate(lambda: drafter.generate_batch(target, ids, attention_mask=mask, **settings,
-                                                                **MODES[mode]), device)
+        seconds = timed(lambda: drafter.generate_batch(target, ids, attention_mask=mask, **settings,
+                                                                **MODES[mode]), device)[1]
         measured[f"{mode}_random_drafter"] = record_split(drafter.round_record, seconds)
     # the front door's default, the verify policy: with a drafter that keeps nothing it should run as the target alone
-    seconds = timed_generate(lambda: drafter.generate_batch(target, ids, attention_mask=mask, **settings), device)
+    seconds = timed(lambda: drafter.generate_batch(target, ids, attention_mask=mask, **settings), device)[1]
     measured["sync_random_drafter_policy"] = record_split(drafter.round_record, seconds)
     measured["sync_random_drafter_policy"]["speedup_vs_generate"] = round(
         measured["sync_random_drafter_policy"]["tokens_per_s"] / out["generate_tokens_per_s"], 2)
@@ -187,8 +154,8 @@ def timing_rows(context: Context, rows: int) -> dict:
                                 "bias": round(bias, 3), "calibrated_tau": round(tau, 3)}
     with forced_head(target, token, bias), forced_head(drafter, token):
         for mode in ("sync", "async"):
-            seconds = timed_generate(lambda: drafter.generate_batch(target, ids, attention_mask=mask, **forced,
-                                                                    **MODES[mode]), device)
+            seconds = timed(lambda: drafter.generate_batch(target, ids, attention_mask=mask, **forced,
+                                                                    **MODES[mode]), device)[1]
             split = record_split(drafter.round_record, seconds)
             split["speedup_vs_generate"] = round(split["tokens_per_s"] / out["generate_tokens_per_s"], 2)
             measured[f"{mode}_forced_tau"] = split

@@ -29,6 +29,7 @@ from modeling_d3d import D3DForBlockDiffusion
 from .gpu_check import Check, run_checks
 from .gpu_check_models import SMOKE_SHAPES, Context, Shapes, model_config, release_memory
 from .identity import NEAR_TIE, classify, top2_margin
+from .random_models import random_causal_lm, random_drafter
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout: the worker runs from it in the vLLM environment
 BUDGET_S = 600.0  # the default time budget of the vLLM checks (two engine start-ups with compilation on a GPU)
@@ -77,16 +78,13 @@ def build_models(shapes: Shapes, sizes: VllmSizes, device: torch.device, folder:
     `folder/drafter` (a D3D drafter, block `shapes.block_size`, mask id the last: the target's embeddings, first
     `drafter_layers` layers, norm and head), both in `sizes.dtype`; returns their parameter counts."""
     dtype = getattr(torch, sizes.dtype)
-    torch.manual_seed(0)
-    with torch.device(device):
-        target = Qwen3ForCausalLM._from_config(model_config(shapes, sizes.target_layers), dtype=dtype).eval()
-        backbone = Qwen3ForCausalLM._from_config(model_config(shapes, sizes.drafter_layers), dtype=dtype).eval()
-        with torch.no_grad():
-            target.model.norm.weight[sizes.output_channels:] = 0.0
-        state = target.state_dict()
-        backbone.load_state_dict({name: state[name] for name in backbone.state_dict()})
-        drafter = D3DForBlockDiffusion.from_backbone(backbone, block_size=shapes.block_size,
-                                                     mask_token_id=shapes.vocab - 1)
+    target = random_causal_lm(model_config(shapes, sizes.target_layers), device, dtype, seed=0)
+    drafter = random_drafter(model_config(shapes, sizes.drafter_layers), device, dtype, shapes.block_size,
+                             shapes.vocab - 1)
+    with torch.no_grad():
+        target.model.norm.weight[sizes.output_channels:] = 0.0
+    state = target.state_dict()  # the drafter: the target's embeddings, first layers, norm and head
+    drafter.load_state_dict({name: state[name] for name in drafter.state_dict()})
     target.save_pretrained(folder / "target")
     drafter.save_pretrained(folder / "drafter")
     counts = {"target_parameters": target.num_parameters(), "drafter_parameters": drafter.num_parameters()}

@@ -26,6 +26,8 @@ from d3d.trainer.losses import DFLASH_GAMMA, IGNORE_INDEX, LOGITS_CHUNK_ELEMENTS
 from modeling_d3d import D3DForBlockDiffusion
 from modeling_d3d.streams_d3d import synchronize
 
+from .random_models import random_drafter
+
 LOSS_PATHS = ("full-logits", "hidden-states")
 
 
@@ -70,14 +72,11 @@ SHAPES = {
 PAPER_8B = TrainShape(4096, 12288, 36, 32, 8, 128, 151936, False, 128, 4096, 128, 16, 2)
 
 
-def random_drafter(shape: TrainShape, device: str, dtype: torch.dtype, attn: str = "sdpa") -> D3DForBlockDiffusion:
+def random_drafter_of(shape: TrainShape, device: str, dtype: torch.dtype, attn: str = "sdpa") -> D3DForBlockDiffusion:
     """A D3D drafter of `shape` with random weights, built on `device` in `dtype`."""
     config = shape.config()
     config._attn_implementation = attn
-    torch.manual_seed(0)
-    with torch.device(device):
-        backbone = Qwen3ForCausalLM._from_config(config, dtype=dtype)
-    return D3DForBlockDiffusion.from_backbone(backbone, block_size=shape.block, mask_token_id=shape.vocab - 1)
+    return random_drafter(config, device, dtype, shape.block, shape.vocab - 1, seed=0).train()
 
 
 def random_batch(shape: TrainShape, device: str, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -169,7 +168,7 @@ def step_costs(name: str, shape: TrainShape, loss_paths: list[str], device: str,
     """Per loss path: the median seconds and the largest peak memory of `repeats` forward + backward steps (after one
     warm-up step each when `repeats > 1`) on one random drafter and batch of `shape`, the paths interleaved step by
     step so that a busy machine slows each alike."""
-    model = random_drafter(shape, device, dtype).train()
+    model = random_drafter_of(shape, device, dtype).train()
     if gradient_checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
     batch = random_batch(shape, device)
@@ -238,7 +237,7 @@ def layer_activation_bytes(shape: TrainShape, device: str, dtype: torch.dtype, a
     one = replace(shape, batch=1)
     saved = {}
     for layers in (one.layers, one.layers + 1):
-        model = random_drafter(replace(one, layers=layers), device, dtype).train()
+        model = random_drafter_of(replace(one, layers=layers), device, dtype).train()
         for rows in (1, 2):
             batch = random_batch(replace(one, layers=layers, batch=rows), device)
             saved[layers, rows] = _bytes_saved(model, batch, autocast)
@@ -327,4 +326,4 @@ def write(costs: list[StepCost], projected: dict | None, output: Path) -> None:
 
 __all__ = ["LOSS_PATHS", "PAPER_8B", "SHAPES", "PeakMemory", "StepCost", "TrainShape", "cost_table",
            "full_logits_loss_terms", "layer_activation_bytes", "projection", "projection_table", "random_batch",
-           "random_drafter", "step_costs", "write"]
+           "random_drafter_of", "step_costs", "write"]

@@ -1,9 +1,12 @@
-"""Decode a prompt set with one method and record what happened: time, tokens, rounds, cache hits, outputs, and for
-engine methods (`custom_generate=speculative_generate`) the round split read from the engine's `RoundRecord`."""
+"""Decode a prompt set with one method and record what happened: time, tokens, rounds, branch hits, outputs, and for
+engine methods (`custom_generate=speculative_generate`) the round split read from the engine's `RoundRecord`; and
+`timed`, the one timer of the benchmarks."""
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from tqdm.auto import tqdm
@@ -12,6 +15,8 @@ from transformers.generation.streamers import BaseStreamer
 from modeling_d3d.engine_d3d import RoundRecord
 from modeling_d3d.generation_d3d import speculative_generate
 from modeling_d3d.streams_d3d import synchronize
+
+T = TypeVar("T")
 
 
 class RoundCounter(BaseStreamer):
@@ -81,6 +86,18 @@ class MethodRun:
         self.verified.update(record.verified)
 
 
+def timed(fn: Callable[[], T], device: torch.device | str | None = None) -> tuple[T, float]:
+    """`fn()` and its wall-clock seconds, `device`'s queued work included (synchronized before and after): the one
+    timer of the benchmarks."""
+    if device is not None:
+        synchronize(device)
+    start = time.perf_counter()
+    result = fn()
+    if device is not None:
+        synchronize(device)
+    return result, time.perf_counter() - start
+
+
 def decode_one(target, prompt: torch.Tensor, max_new_tokens: int, run: MethodRun, sampling: dict | None = None,
                **generate_kwargs) -> None:
     """Decode `prompt` `(1, L)` with `target.generate(**generate_kwargs)`, greedy or with `sampling` (`do_sample`,
@@ -91,15 +108,17 @@ def decode_one(target, prompt: torch.Tensor, max_new_tokens: int, run: MethodRun
     assistant = generate_kwargs.get("assistant_model")
     record = RoundRecord()
     extra = {"round_record": record} if engine else {"streamer": (counter := RoundCounter())}
-    synchronize(target.device)
-    start = time.perf_counter()
-    output = target.generate(prompt.to(target.device), max_new_tokens=max_new_tokens,
-                             **(sampling or {"do_sample": False}), **generate_kwargs, **extra)
-    source = getattr(assistant, "source", None)
-    if hasattr(source, "wait"):  # an async adapter's last queued pass is charged to it, not to the next method
-        source.wait()
-    synchronize(target.device)
-    run.seconds += time.perf_counter() - start
+
+    def generate() -> torch.Tensor:
+        output = target.generate(prompt.to(target.device), max_new_tokens=max_new_tokens,
+                                 **(sampling or {"do_sample": False}), **generate_kwargs, **extra)
+        source = getattr(assistant, "source", None)
+        if hasattr(source, "wait"):  # an async adapter's last queued pass is charged to it, not to the next method
+            source.wait()
+        return output
+
+    output, seconds = timed(generate, target.device)
+    run.seconds += seconds
     new = output[0, prompt.shape[1] :].tolist()
     run.outputs.append(new)
     run.new_tokens += len(new)
@@ -125,4 +144,4 @@ def acceptance_length(target, drafter, prompts: list[torch.Tensor], max_new_toke
     return run.tau
 
 
-__all__ = ["MethodRun", "RoundCounter", "acceptance_length", "decode_one"]
+__all__ = ["MethodRun", "RoundCounter", "acceptance_length", "decode_one", "timed"]
