@@ -7,7 +7,6 @@ drafter is the stage with the best measured speedup.
 """
 
 import copy
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from d3d.common.measure import MethodRun, acceptance_length, decode_one
-from d3d.common.report import pyplot
+from d3d.common.report import pyplot, table, write_report
 from modeling_d3d.generation_d3d import speculative_generate
 
 from .d3d_trainer import D3DTrainer, D3DTrainingArguments
@@ -93,7 +92,7 @@ def prune(
             break
     best = max(stages, key=lambda stage: stage.speedup)
     type(drafter).from_pretrained(best.path).save_pretrained(output / "drafter")
-    write_report(stages, best, output)
+    report_stages(stages, best, output)
     return stages
 
 
@@ -107,17 +106,18 @@ def _record(target, drafter, prompts, max_new_tokens, path: Path, removed: int |
     return PruningStage(_depth(drafter), removed, tau, tokens_per_second, speedup, str(path))
 
 
-def write_report(stages: list[PruningStage], chosen: PruningStage, output: Path) -> None:
+def report_stages(stages: list[PruningStage], chosen: PruningStage, output: Path) -> None:
     """`pruning.json`, `pruning.md` (a table of depth, τ, speedup) and `pruning.png`."""
-    plt = pyplot()
+    rows = [[f"{s.depth}{' (chosen)' if s is chosen else ''}", "-" if s.removed_layer is None else s.removed_layer,
+             f"{s.tau:.2f}", f"{s.tokens_per_second:.1f}", f"{s.speedup:.2f}x"] for s in stages]
+    write_report({"stages": [asdict(s) for s in stages], "chosen": chosen.depth}, output, "pruning",
+                 lambda _: "\n".join(table(["depth", "removed layer", "τ", "tok/s", "speedup"], rows)) + "\n",
+                 lambda _, path: plot_stages(stages, path))
 
-    (output / "pruning.json").write_text(json.dumps({"stages": [asdict(s) for s in stages], "chosen": chosen.depth}, indent=2))
-    lines = ["| depth | removed layer | τ | tok/s | speedup |", "|---|---|---|---|---|"]
-    for s in stages:
-        mark = " (chosen)" if s is chosen else ""
-        removed = "-" if s.removed_layer is None else str(s.removed_layer)
-        lines.append(f"| {s.depth}{mark} | {removed} | {s.tau:.2f} | {s.tokens_per_second:.1f} | {s.speedup:.2f}x |")
-    (output / "pruning.md").write_text("\n".join(lines) + "\n")
+
+def plot_stages(stages: list[PruningStage], path: Path) -> None:
+    """τ and speedup against the drafter's depth."""
+    plt = pyplot()
     figure, tau_axis = plt.subplots(figsize=(6, 3.5))
     depths = [s.depth for s in stages]
     tau_axis.plot(depths, [s.tau for s in stages], "o-", color="tab:blue", label="τ")
@@ -129,8 +129,8 @@ def write_report(stages: list[PruningStage], chosen: PruningStage, output: Path)
     speed_axis.set_ylabel("speedup over target", color="tab:orange")
     tau_axis.set_title("Acceptance-guided pruning")
     figure.tight_layout()
-    figure.savefig(output / "pruning.png", dpi=120)
+    figure.savefig(path, dpi=120)
     plt.close(figure)
 
 
-__all__ = ["PruningStage", "decoding_speed", "drop_layer", "prune", "write_report"]
+__all__ = ["PruningStage", "decoding_speed", "drop_layer", "prune", "report_stages"]

@@ -22,7 +22,7 @@ from modeling_d3d.generation_d3d import pad_outputs
 from modeling_d3d.serving_d3d import D3DBatchServer
 
 from d3d.common.measure import timed
-from d3d.common.report import percent, pyplot, write_report
+from d3d.common.report import percent, pyplot, table, write_report
 
 
 def left_pad(prompts: list[torch.Tensor], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,21 +140,18 @@ def markdown(results: dict) -> str:
     lines = [
         f"### Concurrency ({results['levels'][0]['requests']} requests, {results['max_new_tokens']} new tokens, greedy)",
         "",
-        f"| concurrency | target batched tok/s | D3D sync tok/s | speedup | D3D sync, fixed block tok/s | speedup | "
-        f"D3D async {budget} tok/s | speedup | D3D server tok/s | speedup | τ | cache hits (async) | lossless |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    rows = []
     for row in results["levels"]:
-        sync, fixed, asynchronous, server = row["sync"], row["fixed"], row["async"], row["server"]
-        lossless = "yes" if all(row[name]["lossless"] for name in ("sync", "fixed", "async", "server")) else "NO"
-        lines.append(
-            f"| {row['concurrency']} | {row['baseline_tokens_per_second']:.1f} | {sync['tokens_per_second']:.1f} | "
-            f"{sync['speedup']:.2f}x | {fixed['tokens_per_second']:.1f} | {fixed['speedup']:.2f}x | "
-            f"{asynchronous['tokens_per_second']:.1f} | {asynchronous['speedup']:.2f}x | "
-            f"{server['tokens_per_second']:.1f} | {server['speedup']:.2f}x | "
-            f"{sync['tau']:.2f} | {percent(asynchronous['hit_rate'])} | {lossless} |"
-        )
-    return "\n".join(lines) + "\n"
+        methods = [row[name] for name in ("sync", "fixed", "async", "server")]
+        lossless = "yes" if all(method["lossless"] for method in methods) else "NO"
+        rows.append([row["concurrency"], f"{row['baseline_tokens_per_second']:.1f}"]
+                    + [cell for m in methods for cell in (f"{m['tokens_per_second']:.1f}", f"{m['speedup']:.2f}x")]
+                    + [f"{row['sync']['tau']:.2f}", percent(row["async"]["hit_rate"]), lossless])
+    columns = ["concurrency", "target batched tok/s", "D3D sync tok/s", "speedup", "D3D sync, fixed block tok/s",
+               "speedup", f"D3D async {budget} tok/s", "speedup", "D3D server tok/s", "speedup", "τ",
+               "cache hits (async)", "lossless"]
+    return "\n".join(lines + table(columns, rows)) + "\n"
 
 
 def plot(results: dict, path: Path) -> None:

@@ -20,6 +20,7 @@ from transformers import Qwen3Config
 
 from d3d.common.dtype import DtypeChoice, add_argument, choose_dtype
 from d3d.common.measure import timed
+from d3d.common.report import table
 from modeling_d3d.acceptance_d3d import RowSampling
 from modeling_d3d.engine_d3d import RowSettings, SpeculativeEngine
 from modeling_d3d.generation_d3d import build_engine, make_source
@@ -154,13 +155,10 @@ def markdown(result: dict) -> str:
         f"{result['preset']} on {result['device']} in {result['dtype']}, prefix {result['prefix_length']} tokens, B={block_size}: "
         f"target t(1) = {result['target_seconds'][1] * 1e3:.2f} ms, t(B) = {verify * 1e3:.2f} ms",
         "",
-        "| drafter pass | tokens | ms | / target t(B) |",
-        "|---|---|---|---|",
-    ]
-    for name, value in result["drafter_seconds"].items():
-        tokens = block_size if name == "block" else result["budget_tokens"][name]
-        label = "block drafting" if name == "block" else f"packed successors C×F={name}"
-        lines.append(f"| {label} | {tokens} | {value * 1e3:.2f} | {value / verify:.2f} |")
+    ] + table(["drafter pass", "tokens", "ms", "/ target t(B)"],
+              [["block drafting" if name == "block" else f"packed successors C×F={name}",
+                block_size if name == "block" else result["budget_tokens"][name], f"{value * 1e3:.2f}",
+                f"{value / verify:.2f}"] for name, value in result["drafter_seconds"].items()])
     return "\n".join(lines)
 
 

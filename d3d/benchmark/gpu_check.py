@@ -25,7 +25,6 @@ environment named by `--vllm-python`), reported in `OUTPUT/gpu_check_vllm.json` 
 """
 
 import argparse
-import json
 import os
 import platform
 import threading
@@ -37,6 +36,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from d3d.common.report import table, write_report
 from modeling_d3d.versions_d3d import (COMPILED_ASYNC_TORCH, TORCH_RANGE, TRANSFORMERS_RANGE, release, requirement,
                                        supported)
 
@@ -149,11 +149,9 @@ SMOKE_CHECKS = ("environment", "identity-float32-sync", "identity-float32-async"
 
 
 def markdown(results: list[CheckResult], header: dict) -> str:
-    lines = [f"# {header['title']} ({header['started']}, {header['device']}{', smoke' if header['smoke'] else ''})", "",
-             "| check | status | seconds | summary |", "|---|---|---|---|"]
-    for result in results:
-        text = result.error or result.summary
-        lines.append(f"| {result.name} | {result.status} | {result.seconds} | {text.replace('|', '/')} |")
+    lines = [f"# {header['title']} ({header['started']}, {header['device']}{', smoke' if header['smoke'] else ''})", ""]
+    lines += table(["check", "status", "seconds", "summary"],
+                   [[r.name, r.status, r.seconds, (r.error or r.summary).replace("|", "/")] for r in results])
     return "\n".join(lines) + "\n"
 
 
@@ -182,10 +180,8 @@ class Report:
             self._write(results)
 
     def _write(self, results: list[CheckResult]) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
         payload = {**self.header, "checks": [asdict(r) for r in results]}
-        (self.folder / f"{self.name}.json").write_text(json.dumps(payload, indent=2, default=str))
-        (self.folder / f"{self.name}.md").write_text(markdown(results, self.header))
+        write_report(payload, self.folder, self.name, lambda _: markdown(results, self.header))
 
 
 def run_checks(checks: list[Check], shapes: Shapes, device: torch.device, folder: Path, budget_s: float,

@@ -10,7 +10,6 @@ its resident set before the step. Gradients are freed before each step, so their
 (`gradient_bytes`: the parameters' gradients after the step); optimizer states are not measured (see `projection`).
 """
 
-import json
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch.nn.functional as F
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from d3d.common.host_memory import release_freed_memory
+from d3d.common.report import table, write_report
 from d3d.trainer.collator import D3DCollator
 from d3d.trainer.d3d_trainer import d3d_loss_terms
 from d3d.trainer.losses import DFLASH_GAMMA, IGNORE_INDEX, LOGITS_CHUNK_ELEMENTS, adjust_teacher, position_weights
@@ -279,13 +279,12 @@ def projection(costs: list[StepCost], layer_bytes: float, measured: TrainShape, 
 
 
 def cost_table(costs: list[StepCost]) -> str:
-    lines = ["| shape | loss path | grad. ckpt | layers | packed positions | step s | positions/s | peak GiB | "
-             "gradients GiB | loss |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for c in costs:
-        lines.append(f"| {c.shape} | {c.loss_path} | {'yes' if c.gradient_checkpointing else 'no'} | {c.layers} | "
-                     f"{c.packed_positions} | {c.seconds:.3f} | {c.tokens_per_second:,.0f} | {c.peak_bytes / 2**30:.2f} | "
-                     f"{c.gradient_bytes / 2**30:.2f} | {c.loss:.4f} |")
-    return "\n".join(lines)
+    return "\n".join(table(
+        ["shape", "loss path", "grad. ckpt", "layers", "packed positions", "step s", "positions/s", "peak GiB",
+         "gradients GiB", "loss"],
+        [[c.shape, c.loss_path, "yes" if c.gradient_checkpointing else "no", c.layers, c.packed_positions,
+          f"{c.seconds:.3f}", f"{c.tokens_per_second:,.0f}", f"{c.peak_bytes / 2**30:.2f}",
+          f"{c.gradient_bytes / 2**30:.2f}", f"{c.loss:.4f}"] for c in costs]))
 
 
 def projection_table(result: dict, paper: TrainShape = PAPER_8B) -> str:
@@ -300,10 +299,11 @@ def projection_table(result: dict, paper: TrainShape = PAPER_8B) -> str:
         f"({result['per_position']['layer_activation_method']}), kept per layer under checkpointing "
         f"{result['per_position']['checkpointed_layer_bytes'] / 1e3:.1f} kB, full logits "
         + (f"{result['per_position']['full_logits_bytes'] / 1e6:.2f} MB" if result['per_position']['full_logits_bytes'] else "n/a"),
-        "", "| component | GB per device |", "|---|---|"]
-    for name, value in {**result["states"], **result["activations"], **result["logits"]}.items():
-        lines.append(f"| {name} | {'n/a' if value is None else f'{value / gb:.1f}'} |")
-    lines += ["", "| configuration | GB | fits 80 GB | fits 141 GB |", "|---|---|---|---|"]
+        ""]
+    lines += table(["component", "GB per device"],
+                   [[name, "n/a" if value is None else f"{value / gb:.1f}"]
+                    for name, value in {**result["states"], **result["activations"], **result["logits"]}.items()])
+    configurations = []
     for sharded in (False, True):
         state_bytes = states / 8 if sharded else states
         for activation_name, activation in result["activations"].items():
@@ -313,15 +313,15 @@ def projection_table(result: dict, paper: TrainShape = PAPER_8B) -> str:
                 total = state_bytes + activation + logits
                 label = (f"{'states sharded /8 (ZeRO-3/FSDP: not run by d3d train today)' if sharded else 'DDP'}, "
                          f"{activation_name.split(', ')[1]}, {logits_name.split(', ')[1].split(' (')[0]}")
-                lines.append(f"| {label} | {total / gb:.1f} | {'yes' if total < 80 * gb else 'no'} | "
-                             f"{'yes' if total < 141 * gb else 'no'} |")
-    return "\n".join(lines)
+                configurations.append([label, f"{total / gb:.1f}", "yes" if total < 80 * gb else "no",
+                                       "yes" if total < 141 * gb else "no"])
+    return "\n".join(lines + [""] + table(["configuration", "GB", "fits 80 GB", "fits 141 GB"], configurations))
 
 
 def write(costs: list[StepCost], projected: dict | None, output: Path) -> None:
-    output.mkdir(parents=True, exist_ok=True)
-    (output / "bench-train.json").write_text(json.dumps(
-        {"steps": [asdict(c) for c in costs], "projection": projected}, indent=1))
+    """`bench-train.json` and `bench-train.md` (the cost table, and the projection if any) in `output`."""
+    write_report({"steps": [asdict(c) for c in costs], "projection": projected}, output, "bench-train",
+                 lambda _: cost_table(costs) + ("\n\n" + projection_table(projected) if projected else "") + "\n")
 
 
 __all__ = ["LOSS_PATHS", "PAPER_8B", "SHAPES", "PeakMemory", "StepCost", "TrainShape", "cost_table",

@@ -12,7 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from d3d.common.report import pyplot, write_report
+from d3d.common.report import pyplot, table, write_report
 from .vllm_server import (
                           complete,
                           d3d_speculative_config,
@@ -95,13 +95,10 @@ def markdown(results: dict) -> str:
         f"### vLLM beside this project's engine ({results['requests']} requests, {results['max_new_tokens']} new "
         f"tokens, greedy, K = {results['num_speculative_tokens']}, {results['dtype']})",
         "",
-        "| concurrency | method | tok/s | × vLLM alone | τ | lossless |",
-        "|---|---|---|---|---|---|",
-    ]
-    for row in results["rows"]:
-        tau = "-" if row["tau"] is None else f"{row['tau']:.2f}"
-        lines.append(f"| {row['concurrency']} | {row['method']} | {row['tokens_per_second']:.1f} | "
-                     f"{row['speedup']:.2f}x | {tau} | {'yes' if row['lossless'] else 'NO'} |")
+    ] + table(["concurrency", "method", "tok/s", "× vLLM alone", "τ", "lossless"],
+              [[row["concurrency"], row["method"], f"{row['tokens_per_second']:.1f}", f"{row['speedup']:.2f}x",
+                "-" if row["tau"] is None else f"{row['tau']:.2f}", "yes" if row["lossless"] else "NO"]
+               for row in results["rows"]])
     return "\n".join(lines) + "\n"
 
 

@@ -16,6 +16,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from d3d.benchmark.bench import Method, engine_kwargs, run_methods
 from d3d.common.measure import MethodRun
 from d3d.common.prompts import encode_prompt
+from d3d.common.report import table
 from modeling_d3d import D3DForBlockDiffusion
 from modeling_d3d.successor_d3d import DEFAULT_COVERAGE, DEFAULT_FANOUT
 
@@ -98,12 +99,11 @@ def model_sources(args: argparse.Namespace) -> tuple[str, str] | None:
 def print_table(methods: list[Method], runs: list[MethodRun]) -> bool:
     """A markdown table of `runs` (the first the baseline); returns whether every output equals the baseline's."""
     reference = runs[0]
-    print("| method | tok/s | speedup | tau | cache hits | identical |\n|---|---|---|---|---|---|")
-    for method, run in zip(methods, runs):
-        hits = "-" if run.hit_rate is None else f"{run.hit_rate:.0%}"
-        tau = "-" if method.baseline else f"{run.tau:.2f}"
-        print(f"| {method.name} | {run.tokens_per_second:.1f} | {run.tokens_per_second / reference.tokens_per_second:.2f}x "
-              f"| {tau} | {hits} | {run.outputs == reference.outputs} |")
+    print("\n".join(table(
+        ["method", "tok/s", "speedup", "tau", "cache hits", "identical"],
+        [[method.name, f"{run.tokens_per_second:.1f}", f"{run.tokens_per_second / reference.tokens_per_second:.2f}x",
+          "-" if method.baseline else f"{run.tau:.2f}", "-" if run.hit_rate is None else f"{run.hit_rate:.0%}",
+          run.outputs == reference.outputs] for method, run in zip(methods, runs)])))
     return all(run.outputs == reference.outputs for run in runs)
 
 

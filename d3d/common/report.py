@@ -76,20 +76,16 @@ def markdown(results: dict) -> str:
     lines = []
     decoding = sampling_description(results.get("sampling"))
     for name, prompt_set in results["prompt_sets"].items():
-        lines += [
-            f"### {name} ({prompt_set['prompts']} prompts, {results['max_new_tokens']} new tokens, {decoding})", "",
-            "| method | tok/s | speedup | vs generate | τ | cache hits | lossless | ms/round | verify | exposed draft | "
-            "overhead | ideal sync (reached) | ideal async (reached) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for row in prompt_set["methods"]:
-            lines.append(
-                f"| {row['method']} | {row['tokens_per_second']:.1f} | {row['speedup']:.2f}x | "
-                f"{_times(row.get('speedup_vs_generate'))} | {row['tau']:.2f} | {percent(row['hit_rate'])} | "
-                f"{_identical(row, prompt_set['prompts'])} | {_ms(row.get('ms_per_round'))} | "
-                f"{_ms(row.get('verify_ms_per_round'))} | {_ms(row.get('exposed_draft_ms_per_round'))} | "
-                f"{_ms(row.get('overhead_ms_per_round'))} | {_bound(row, 'sync')} | {_bound(row, 'async')} |"
-            )
+        lines += [f"### {name} ({prompt_set['prompts']} prompts, {results['max_new_tokens']} new tokens, {decoding})",
+                  ""]
+        lines += table(
+            ["method", "tok/s", "speedup", "vs generate", "τ", "cache hits", "lossless", "ms/round", "verify",
+             "exposed draft", "overhead", "ideal sync (reached)", "ideal async (reached)"],
+            [[row["method"], f"{row['tokens_per_second']:.1f}", f"{row['speedup']:.2f}x",
+              _times(row.get("speedup_vs_generate")), f"{row['tau']:.2f}", percent(row["hit_rate"]),
+              _identical(row, prompt_set["prompts"]), _ms(row.get("ms_per_round")), _ms(row.get("verify_ms_per_round")),
+              _ms(row.get("exposed_draft_ms_per_round")), _ms(row.get("overhead_ms_per_round")), _bound(row, "sync"),
+              _bound(row, "async")] for row in prompt_set["methods"]])
         if "ceiling_tau" in prompt_set:
             lines.append(f"\nCeiling τ {prompt_set['ceiling_tau']:.2f}: a perfect argmax drafter's expected tokens "
                          "per round on the target's own outputs (the target's entropy; no drafter beats it).")
@@ -104,10 +100,10 @@ def markdown(results: dict) -> str:
             lines.append(f"\nCompile time (the first, warm-up call of each compiled method), and the graphs compiled "
                          f"again in the measured calls: {', '.join(compiled)}.")
         lines.append("")
-    lines += ["### D3D async budget sweep", "", "| C | F | budget (tokens) | tok/s | τ | cache hits |", "|---|---|---|---|---|---|"]
-    for row in results["sweep"]:
-        lines.append(f"| {row['coverage']} | {row['fanout']} | {row['budget']} | {row['tokens_per_second']:.1f} | "
-                     f"{row['tau']:.2f} | {percent(row['hit_rate'])} |")
+    lines += ["### D3D async budget sweep", ""] + table(
+        ["C", "F", "budget (tokens)", "tok/s", "τ", "cache hits"],
+        [[row["coverage"], row["fanout"], row["budget"], f"{row['tokens_per_second']:.1f}", f"{row['tau']:.2f}",
+          percent(row["hit_rate"])] for row in results["sweep"]])
     lines += [
         "", "Speedup: over the fastest target-alone baseline; vs generate: over plain `target.generate`. ms/round = "
         "verify + exposed draft + overhead (host work, prefill, `generate` setup), from the engine's round record "
@@ -144,15 +140,23 @@ def plot(results: dict, path: Path) -> None:
     plt.close(figure)
 
 
-def write_report(results: dict, output_dir: Path, name: str, render: Callable[[dict], str],
-                 draw: Callable[[dict, Path], None]) -> str:
-    """`<name>.json`, `<name>.md` (from `render`) and `<name>.png` (from `draw`) in `output_dir`; returns the markdown."""
+def table(columns: list[str], rows: list[list[object]]) -> list[str]:
+    """A markdown table's lines: the header, its rule and one line per row (cells as `str` gives them)."""
+    return [f"| {' | '.join(columns)} |", "|" + "---|" * len(columns)] + [
+        f"| {' | '.join(str(cell) for cell in row)} |" for row in rows]
+
+
+def write_report(results: dict | list, output_dir: Path, name: str, render: Callable[[dict], str],
+                 draw: Callable[[dict, Path], None] | None = None) -> str:
+    """`<name>.json`, `<name>.md` (from `render`) and, with `draw`, `<name>.png` in `output_dir`: the one writer of
+    the benchmarks' and the checks' reports. Returns the markdown."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / f"{name}.json").write_text(json.dumps(results, indent=2))
-    table = render(results)
-    (output_dir / f"{name}.md").write_text(table)
-    draw(results, output_dir / f"{name}.png")
-    return table
+    (output_dir / f"{name}.json").write_text(json.dumps(results, indent=2, default=str))
+    markdown_text = render(results)
+    (output_dir / f"{name}.md").write_text(markdown_text)
+    if draw is not None:
+        draw(results, output_dir / f"{name}.png")
+    return markdown_text
 
 
 def write(results: dict, output_dir: Path) -> str:
@@ -166,17 +170,13 @@ def prefill_markdown(results: dict) -> str:
         f"### {results['task']}: {results['examples']} prompts of ~{results['prompt_tokens']:.0f} tokens, "
         f"{results['max_new_tokens']} new tokens, greedy, chunks of {results['chunk_size']}, B = {results['block_size']}",
         "",
-        "| setting | score | answer kept | prompt kept | TTFT | decode tok/s | TTFT speedup | decode speedup | "
-        "E2E speedup | τ | = target on its prompt |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for row in results["settings"]:
-        lines.append(
-            f"| {row['setting']} | {row['score']:.2f} | {percent(row['answer_kept'])} | {percent(row['kept_fraction'])} | "
-            f"{1000 * row['ttft_seconds']:.0f} ms | {row['decode_tokens_per_second']:.1f} | {_times(row['ttft_speedup'])} | "
-            f"{_times(row['decode_speedup'])} | {_times(row['e2e_speedup'])} | {row['tau']:.2f} | "
-            f"{'yes' if row['matches_target'] else 'NO'} |"
-        )
+    ] + table(
+        ["setting", "score", "answer kept", "prompt kept", "TTFT", "decode tok/s", "TTFT speedup", "decode speedup",
+         "E2E speedup", "τ", "= target on its prompt"],
+        [[row["setting"], f"{row['score']:.2f}", percent(row["answer_kept"]), percent(row["kept_fraction"]),
+          f"{1000 * row['ttft_seconds']:.0f} ms", f"{row['decode_tokens_per_second']:.1f}", _times(row["ttft_speedup"]),
+          _times(row["decode_speedup"]), _times(row["e2e_speedup"]), f"{row['tau']:.2f}",
+          "yes" if row["matches_target"] else "NO"] for row in results["settings"]])
     return "\n".join(lines) + "\n"
 
 
@@ -210,4 +210,5 @@ def write_prefill(results: dict, output_dir: Path) -> str:
     return write_report(results, output_dir, "prefill", prefill_markdown, prefill_plot)
 
 
-__all__ = ["markdown", "percent", "pyplot", "plot", "prefill_markdown", "prefill_plot", "write", "write_prefill", "write_report"]
+__all__ = ["markdown", "percent", "pyplot", "plot", "prefill_markdown", "prefill_plot", "table", "write",
+           "write_prefill", "write_report"]

@@ -22,16 +22,17 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, Qwen3ForCausalLM
 
+from d3d.common.dtype import DtypeChoice, add_argument, choose_dtype
+from d3d.common.host_memory import keep_freed_memory_on_cpu
 from d3d.common.measure import MethodRun, decode_one
-from d3d.quickstart.pipeline import QuickstartSizes, drafter_arguments
+from d3d.common.report import table
 from d3d.trainer.d3d_trainer import D3DTrainer
 from d3d.trainer.data import load_responses
 from d3d.trainer.pruning import drop_layer, prune
 from modeling_d3d import D3DForBlockDiffusion
 from modeling_d3d.generation_d3d import speculative_generate
 
-from d3d.common.dtype import DtypeChoice, add_argument, choose_dtype
-from d3d.common.host_memory import keep_freed_memory_on_cpu
+from .pipeline import QuickstartSizes, drafter_arguments
 
 
 @dataclass(frozen=True)
@@ -159,20 +160,21 @@ def markdown(results: list[VariantResult], prompts: int, steps: int, choice: Dty
     """One row per variant; the last column compares it with the first variant prompt by prompt (seed 0)."""
     lines = [f"{steps} training steps each ({choice.description}), tau on {prompts} held-out prompts (greedy, "
              "float32); ± = standard error over prompts (mean of per-prompt tau); the last column is the per-prompt "
-             "(paired) difference from the first variant, ± its standard error", "",
-             "| variant | seeds | tau (mean of prompts) | ± s.e. | seed range | mean train loss | train s | minus first |",
-             "|---|---|---|---|---|---|---|---|"]
-    first = results[0]
+             "(paired) difference from the first variant, ± its standard error", ""]
+    first, table_rows = results[0], []
     for name in dict.fromkeys(r.variant for r in results):
         rows = [r for r in results if r.variant == name]
         taus = [r.tau for r in rows]
-        spread = f"{min(taus):.2f}..{max(taus):.2f}" if len(rows) > 1 else "-"
-        lines.append(f"| {name} | {len(rows)} | {sum(taus) / len(taus):.2f} | "
-                     f"{max(r.standard_error for r in rows):.2f} | {spread} | "
-                     f"{sum(r.final_loss for r in rows) / len(rows):.3f} | {sum(r.train_seconds for r in rows) / len(rows):.0f} | "
-                     + ("-" if rows[0] is first else "{:+.2f} ± {:.2f}".format(*paired_difference(rows[0].tau_per_prompt, first.tau_per_prompt)))
-                     + " |")
-    return "\n".join(lines)
+        difference = ("-" if rows[0] is first else
+                      "{:+.2f} ± {:.2f}".format(*paired_difference(rows[0].tau_per_prompt, first.tau_per_prompt)))
+        table_rows.append([name, len(rows), f"{sum(taus) / len(taus):.2f}",
+                           f"{max(r.standard_error for r in rows):.2f}",
+                           f"{min(taus):.2f}..{max(taus):.2f}" if len(rows) > 1 else "-",
+                           f"{sum(r.final_loss for r in rows) / len(rows):.3f}",
+                           f"{sum(r.train_seconds for r in rows) / len(rows):.0f}", difference])
+    columns = ["variant", "seeds", "tau (mean of prompts)", "± s.e.", "seed range", "mean train loss", "train s",
+               "minus first"]
+    return "\n".join(lines + table(columns, table_rows))
 
 
 def main(argv: list[str] | None = None) -> None:
