@@ -49,7 +49,7 @@ def build_demo(
     its own asynchronous generator; they share the weights and the hardware); `queue_size`: requests waiting at most
     (beyond it Gradio answers that the queue is full)."""
     trained_block_size = drafter.config.block_size
-    defaults = default_settings(trained_block_size)
+    defaults = default_settings(drafter)
 
     def generate(prompt, block_size, coverage, fanout, temperature, max_new_tokens, lookup=False, policy=True):
         try:

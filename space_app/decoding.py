@@ -42,9 +42,11 @@ class Settings:
     policy: bool = True
 
 
-def default_settings(trained_block_size: int, max_new_tokens: int = 128) -> Settings:
-    """What the page opens with: the trained block size, C = 12 (at most B), F = 2, greedy."""
-    return Settings(trained_block_size, min(12, trained_block_size), 2, 0.0, max_new_tokens)
+def default_settings(drafter, max_new_tokens: int = 128) -> Settings:
+    """What the page opens with: the drafter's trained block size, its engine's default coverage (at most B) and
+    fanout, greedy."""
+    sources, block_size = engine_modules(drafter).sources, drafter.config.block_size
+    return Settings(block_size, min(sources.DEFAULT_COVERAGE, block_size), sources.DEFAULT_FANOUT, 0.0, max_new_tokens)
 
 
 def check_settings(settings: Settings, trained_block_size: int) -> None:
@@ -266,7 +268,7 @@ def warm_up(target, drafter, tokenizer, prompt: str) -> tuple[LiveDecode, LiveDe
     the first visitor's timings and speedup do not include one-time costs (the first pass of each shape, kernel and
     allocator set-up), which would fall on the target alone, decoded first. Returns the finished
     `(target_alone, d3d)`. D3D drafts every round here (the policy off), so the drafter's passes are warmed too."""
-    settings = replace(default_settings(drafter.config.block_size, max_new_tokens=2 * drafter.config.block_size),
+    settings = replace(default_settings(drafter, max_new_tokens=2 * drafter.config.block_size),
                        policy=False)
     alone = d3d = None
     for alone, d3d in compare_live(target, drafter, tokenizer, prepare_request(target, drafter, tokenizer, prompt,

@@ -20,6 +20,7 @@ from d3d.space_app.loading import DEFAULT_DRAFTER, DEFAULT_QUEUE_SIZE, DEFAULT_T
 from d3d.space_app.prefill_view import MAX_CHUNKS, check_chunk_count, chunk_texts, kept_chunks_html, prefill_preview
 from d3d.space_app.render import rounds_svg, stats_html, tokens_html
 from modeling_d3d.prefill_d3d import PromptSelection, chunk_spans
+from modeling_d3d.successor_d3d import DEFAULT_COVERAGE, DEFAULT_FANOUT
 from space_helpers import BLOCK_SIZE, PROMPT, PageReader, greedy_text, load_tiny_models, save_tiny_models, served
 
 pytest.importorskip("gradio", reason="the Space needs the `space` extra (gradio)")
@@ -120,7 +121,8 @@ def test_the_warm_up_decodes_both_columns_at_the_page_defaults(space_models):
     _, expected = greedy_text(target, tokenizer, PROMPT, 2 * BLOCK_SIZE)
     assert alone.done and d3d.done and alone.text == d3d.text == expected
     assert d3d.tau > 1, "D3D drafted during the warm-up"
-    defaults = default_settings(BLOCK_SIZE)
+    defaults = default_settings(drafter)
+    assert (defaults.coverage, defaults.fanout) == (min(DEFAULT_COVERAGE, BLOCK_SIZE), DEFAULT_FANOUT)
     sliders = {c["props"].get("label"): c["props"]["value"] for c in build_demo(*space_models).config["components"]
                if c.get("type") == "slider"}
     assert (sliders["block size b"], sliders["coverage C"], sliders["fanout F"], sliders["temperature"]) == (
