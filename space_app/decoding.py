@@ -110,11 +110,23 @@ def engine_modules(drafter) -> EngineModules:
     return EngineModules(engine, sources, settings, *optional)
 
 
+def served_by_branch(outcome) -> bool:
+    """Whether a prepared branch served this round (`RoundOutcome.from_branch`; `from_cache` in drafter code saved
+    before 2026-12-03)."""
+    return getattr(outcome, "from_branch", getattr(outcome, "from_cache", False))
+
+
+def round_record_of(engine):
+    """The engine's `RoundRecord` (`engine.round_record`; `engine.record` in drafter code saved before
+    2026-12-03)."""
+    return getattr(engine, "round_record", None) or engine.record
+
+
 def token_kinds(outcome) -> list[str]:
     """How each token of one round (a `RoundOutcome`) came: its accepted drafts, `LOOKUP` when the round verified a
     prompt-lookup continuation, else `CACHE` when a prepared branch served it, else `DRAFT`; then the target's own
     token, `TARGET` (none when the length limit cut the round inside the drafts)."""
-    kind = LOOKUP if outcome.verified == "lookup" else CACHE if outcome.from_branch else DRAFT
+    kind = LOOKUP if outcome.verified == "lookup" else CACHE if served_by_branch(outcome) else DRAFT
     return [kind] * outcome.accepted_drafts + [TARGET] * (len(outcome.added) - outcome.accepted_drafts)
 
 
@@ -170,7 +182,7 @@ class LiveDecode:
 
     def extend(self, outcome, drafting: bool) -> None:
         """Add one round's `RoundOutcome`; `drafting`: whether a drafter proposed drafts for it."""
-        served = ("prompt lookup" if outcome.verified == "lookup" else "cache hit" if outcome.from_branch
+        served = ("prompt lookup" if outcome.verified == "lookup" else "cache hit" if served_by_branch(outcome)
                   else "drafting pass" if drafting and outcome.verified == "block" else "no draft")
         round_ = Round(list(outcome.added), token_kinds(outcome), served)
         self.rounds.append(round_)
@@ -298,7 +310,7 @@ def decode_live(target, drafter, tokenizer, prompt_ids: torch.LongTensor, settin
             raise ValueError("This drafter's code predates prompt lookup: save it again with this project")
     engine = modules.engine.SpeculativeEngine(target, source, max_length=prompt_ids.shape[1] + settings.max_new_tokens,
                                               **chooser)
-    live = LiveDecode(tokenizer, engine.round_record)
+    live = LiveDecode(tokenizer, round_record_of(engine))
     try:
         engine.add(0, prompt_ids[0].tolist(), row_settings(drafter, target, prompt_ids, settings))
         while len(engine):

@@ -301,6 +301,39 @@ def test_the_space_runs_without_this_project_installed(tmp_path):
     assert "space ran transformers_modules." in result.stdout
 
 
+
+def test_the_space_runs_a_drafter_saved_with_the_names_before_the_rename(tmp_path):
+    """A drafter folder saved before 2026-12-03 carries remote code that calls a prepared branch's hit `from_cache`
+    and the engine's record `engine.record`: the Space still decodes with it, lossless, and colours its branch hits."""
+    target_folder, drafter_folder = save_tiny_models(tmp_path)
+    renames = [("from_branch", "from_cache"), ("branch_hits", "cache_hits"), ("engine.round_record", "engine.record"),
+               ("self.round_record", "self.record")]
+    for path in drafter_folder.glob("*_d3d.py"):
+        text = path.read_text()
+        for new_name, old_name in renames:
+            text = text.replace(new_name, old_name)
+        path.write_text(text)
+    assert "from_branch" not in (drafter_folder / "engine_d3d.py").read_text()
+    space_folder = str(Path(__file__).parents[1] / "space_app")
+    result = run_without_project(
+        """
+        import sys
+        sys.path.insert(0, sys.argv[1])
+        import app
+        from decoding import CACHE, Settings, compare_live, prepare_request
+        target, drafter, tokenizer = app.load_models(sys.argv[2], sys.argv[3])
+        settings = Settings(5, 4, 2, 0.0, 24, policy=False)
+        ids = prepare_request(target, drafter, tokenizer, "w1 w2", settings)
+        *_, (alone, d3d) = compare_live(target, drafter, tokenizer, ids, settings)
+        assert alone.tokens == d3d.tokens and len(d3d.tokens) == 24, (alone.tokens, d3d.tokens)
+        assert d3d.hit_rate is not None and (CACHE not in d3d.kinds or d3d.hit_rate > 0), (d3d.hit_rate, d3d.kinds)
+        print("old names ran", d3d.hit_rate)
+        """,
+        space_folder, str(target_folder), str(drafter_folder), cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "old names ran" in result.stdout
+
 def test_the_space_shows_the_chunks_selective_prefill_keeps(space_models):
     target, drafter, tokenizer = space_models
     prompt = " ".join(f"w{i % 80}" for i in range(3, 60))
