@@ -88,7 +88,7 @@ def build_models(shapes: Shapes, sizes: VllmSizes, device: torch.device, folder:
     target.save_pretrained(folder / "target")
     drafter.save_pretrained(folder / "drafter")
     counts = {"target_parameters": target.num_parameters(), "drafter_parameters": drafter.num_parameters()}
-    del target, backbone, drafter, state
+    del target, drafter, state
     release_memory()
     return counts
 
