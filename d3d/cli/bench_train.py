@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--project", default=None, metavar="SHAPE",
                         help="project the paper's 8B recipe from SHAPE: per-layer activations counted (the storages a "
                              "layer saves for backward), logits from SHAPE's two loss paths' peaks")
-    parser.add_argument("--output", default=None, help="folder for bench-train.json")
+    parser.add_argument("--output", default=None, help="folder for bench-train.json and bench-train.md")
     dtype.add_argument(parser)
 
 
