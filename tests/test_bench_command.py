@@ -6,7 +6,7 @@ import math
 from collections import Counter
 
 from conftest import tiny_target, word_tokenizer
-from d3d.benchmark.bench import ideal_bounds
+from d3d.benchmark.bench import build_methods, ideal_bounds
 from d3d.cli.main import main
 from d3d.common.measure import MethodRun
 from modeling_d3d import D3DForBlockDiffusion
@@ -157,3 +157,12 @@ def test_ideal_bounds_charge_each_round_the_passes_it_ran():
     assert ideal_bounds(every_round, passes) == (4.0 * 1 / 3, 4.0 * 1 / 2)
     mixed = MethodRun("policy", new_tokens=40, rounds=20, verified=Counter({NOTHING: 10, BLOCK: 8, LOOKUP: 2}))
     assert ideal_bounds(mixed, passes) == (40 / (10 + 2 * 2 + 8 * 3), 40 / (10 + 10 * 2))
+
+
+def test_the_sweeps_best_async_budget_runs_once_eager_when_it_is_the_default():
+    """The eager async row at the sweep's best (C, F) is the default's row when the two are the same (one run, not
+    two of one method); the compiled best row stays."""
+    def async_rows(best):
+        return [m.name for m in build_methods(None, None, (12, 2), best, [False, True]) if "async" in m.name]
+    assert async_rows((12, 2)) == ["D3D async C=12 F=2 (default, best)", "D3D async C=12 F=2 (best), compiled"]
+    assert async_rows((8, 1)) == ["D3D async C=12 F=2", "D3D async C=8 F=1 (best)", "D3D async C=8 F=1 (best), compiled"]

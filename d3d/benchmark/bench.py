@@ -97,10 +97,13 @@ def build_methods(drafter, assistant, default: tuple[int, int], best: tuple[int,
     methods.append(Method("D3D sync, fixed block", engine_kwargs(drafter, False, policy=False), drafting="sync"))
     methods += [Method(f"D3D + lookup (hybrid){suffix(c)}", engine_kwargs(drafter, c, lookup=True), drafting="sync",
                        compiled=c) for c in modes]
-    methods.append(Method(f"D3D async C={default[0]} F={default[1]}", engine_kwargs(drafter, False, *default),
-                          drafting="async"))
+    # the default (C, F) eager, and the sweep's best in every mode (eager once only: when the best is the default,
+    # the default's row is the best's)
+    same = best == default
+    methods.append(Method(f"D3D async C={default[0]} F={default[1]}{' (default, best)' if same else ''}",
+                          engine_kwargs(drafter, False, *default), drafting="async"))
     methods += [Method(f"D3D async C={best[0]} F={best[1]} (best){suffix(c)}", engine_kwargs(drafter, c, *best),
-                       drafting="async", compiled=c) for c in modes]
+                       drafting="async", compiled=c) for c in modes if c or not same]
     methods.append(Method("D3D sync, assistant_model=drafter", {"assistant_model": drafter}, drafting="sync"))
     return methods
 

@@ -92,7 +92,7 @@ def run_quickstart(output: Path, sizes: QuickstartSizes = QuickstartSizes(), dty
     target, assistant = (Qwen3ForCausalLM.from_pretrained(output / name, dtype=choice.dtype).eval() for name in models)
 
     prompts = function_prompts(sizes.drafter_prompts)
-    data = generate_responses(target, tokenizer, prompts, output / "data", batch_size=16,
+    data = generate_responses(target, tokenizer, prompts, output / "data", batch_size=sizes.response_batch_size,
                               max_new_tokens=sizes.response_tokens)
     dev = 2 * sizes.dev_prompts
     train_data, dev_prompts = data.select(range(len(data) - dev)), [torch.tensor([p]) for p in data[len(data) - dev :]["prompt"]]

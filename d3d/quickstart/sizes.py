@@ -29,6 +29,7 @@ class QuickstartSizes:
     assistant: ModelSize = field(default_factory=lambda: ModelSize(128, 2, 2, 1, 384, 400, 16, 2e-3))
     drafter_prompts: int = 1200
     response_tokens: int = 128
+    response_batch_size: int = 64  # rows of the target's batched `generate` (~2x faster than 16 on a 2-core CPU)
     block_size: int = 16
     num_anchors: int = 8  # per 128-token response: 6 % of positions are anchors (paper: K = 128 of ~4k, 3 %)
     drafter_steps: int = 1200
@@ -37,7 +38,7 @@ class QuickstartSizes:
     prune_stages: int = 1  # 2 -> 1 layer: the stage that decodes fastest through the engine is kept
     recovery_steps: int = 60
     dev_prompts: int = 8
-    bench_prompts: int = 32
+    bench_prompts: int = 16
     bench_pydoc_prompts: int = 10
     bench_new_tokens: int = 128
 
