@@ -1,6 +1,6 @@
 """The one decoding loop: batch-first speculative decoding over static caches.
 
-`SpeculativeEngine.step()` runs one round for every row:
+`SpeculativeEngine.step()` runs one round for every row (`rounds()` steps until every row has left):
 
     source.propose(rows) -> verify (one target pass) -> accept (on the device) -> stop -> source.observe -> advance
 
@@ -15,7 +15,7 @@ one `RoundRecord`, which the benchmark, the Space, the model card and the server
 
 import time
 from collections import Counter, deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -365,6 +365,17 @@ class SpeculativeEngine:
         self.round_record.add(outcomes, sum(proposal.looked_up) if proposal is not None else 0, timing)
         self.round_record.compilations += compiled_graphs() - graphs_before
         return outcomes
+
+    def rounds(self) -> Iterator[list[RoundOutcome]]:
+        """`step` until every row has left, yielding each round's outcomes: the loop of the `generate` front doors and
+        the Space. A row's error ends the decoding: it is raised (the batch server ends that row only instead,
+        `serving_d3d`)."""
+        while self.rows:
+            outcomes = self.step()
+            for outcome in outcomes:
+                if outcome.error is not None:
+                    raise outcome.error
+            yield outcomes
 
     def plan(self, keys: list[Hashable], lookups: list[list[int]]) -> RoundPlan:
         """What this round verifies per row: the policy's choice; without a policy, the drafter's block (or nothing,

@@ -143,10 +143,8 @@ def speculative_generate(
                                                         synced_gpus=synced_gpus), drafter_prompt)
         if put_prompt:
             streamer.put(input_ids.cpu())
-        while len(engine):
-            for outcome in engine.step():
-                if outcome.error is not None:
-                    raise outcome.error
+        for outcomes in engine.rounds():
+            for outcome in outcomes:
                 generated[outcome.key] += outcome.added
                 if streamer is not None and outcome.added:
                     streamer.put(torch.tensor(outcome.added))

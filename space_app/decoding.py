@@ -122,6 +122,20 @@ def round_record_of(engine):
     return getattr(engine, "round_record", None) or engine.record
 
 
+def rounds_of(engine) -> Iterator[list]:
+    """The engine's rounds until its row has left, each round's `RoundOutcome`s (`engine.rounds()`); drafter code
+    saved before 2026-12-03 has no `rounds`: its `step` is driven here the same way (an error of the row raised)."""
+    if hasattr(engine, "rounds"):
+        yield from engine.rounds()
+        return
+    while len(engine):
+        outcomes = engine.step()
+        for outcome in outcomes:
+            if outcome.error is not None:
+                raise outcome.error
+        yield outcomes
+
+
 def token_kinds(outcome) -> list[str]:
     """How each token of one round (a `RoundOutcome`) came: its accepted drafts, `LOOKUP` when the round verified a
     prompt-lookup continuation, else `CACHE` when a prepared branch served it, else `DRAFT`; then the target's own
@@ -313,10 +327,8 @@ def decode_live(target, drafter, tokenizer, prompt_ids: torch.LongTensor, settin
     live = LiveDecode(tokenizer, round_record_of(engine))
     try:
         engine.add(0, prompt_ids[0].tolist(), row_settings(drafter, target, prompt_ids, settings))
-        while len(engine):
-            for outcome in engine.step():
-                if outcome.error is not None:
-                    raise outcome.error
+        for outcomes in rounds_of(engine):
+            for outcome in outcomes:
                 live.extend(outcome, drafting=source is not None)
             yield live
         live.finish()
@@ -328,5 +340,5 @@ def decode_live(target, drafter, tokenizer, prompt_ids: torch.LongTensor, settin
 __all__ = [
     "CACHE", "DRAFT", "LOOKUP", "TARGET", "MAX_FANOUT", "MAX_NEW_TOKENS", "MAX_TEMPERATURE", "Detokenizer", "EngineModules",
     "LiveDecode", "Round", "Settings", "check_prompt_length", "check_settings", "compare_live", "decode_live",
-    "default_settings", "encode_prompt", "engine_modules", "prepare_request", "row_settings", "token_kinds", "warm_up", "whole_number",
+    "default_settings", "encode_prompt", "engine_modules", "prepare_request", "rounds_of", "row_settings", "token_kinds", "warm_up", "whole_number",
 ]

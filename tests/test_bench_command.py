@@ -9,6 +9,7 @@ from conftest import tiny_target, word_tokenizer
 from d3d.benchmark.bench import build_methods, ideal_bounds
 from d3d.cli.main import main
 from d3d.common.measure import MethodRun
+from d3d.common.report import speed_title
 from modeling_d3d import D3DForBlockDiffusion
 from modeling_d3d.policy_d3d import BLOCK, LOOKUP, NOTHING
 
@@ -109,6 +110,9 @@ def test_bench_command_sampled_checks_the_distribution_and_reports_the_ceiling(t
     assert all(m["consistent"] and m["outside_support"] == 0 for m in methods.values())
     assert methods["target generate"]["z"] == 0.0
     assert 1.0 <= prompt_set["ceiling_tau"] <= 4.0
+    # the plot's title says how it decoded (it said "greedy" for every run before)
+    assert speed_title(results) == "Decoding speed, sampled (temperature 0.7, top_k 8), one process"
+    assert (tmp_path / "bench" / "bench.png").stat().st_size > 0
 
 
 def test_bench_measures_only_the_methods_named_beside_the_target_alone(tmp_path, capsys):

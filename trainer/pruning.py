@@ -14,7 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from d3d.common.measure import MethodRun, acceptance_length, decode_one
-from d3d.common.report import pyplot, table, write_report
+from d3d.common.report import pyplot, save_figure, table, write_report
 from modeling_d3d.generation_d3d import speculative_generate
 
 from .d3d_trainer import D3DTrainer, D3DTrainingArguments
@@ -128,9 +128,7 @@ def plot_stages(stages: list[PruningStage], path: Path) -> None:
     speed_axis.plot(depths, [s.speedup for s in stages], "s--", color="tab:orange")
     speed_axis.set_ylabel("speedup over target", color="tab:orange")
     tau_axis.set_title("Acceptance-guided pruning")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 __all__ = ["PruningStage", "decoding_speed", "drop_layer", "prune", "report_stages"]

@@ -22,7 +22,7 @@ from modeling_d3d.generation_d3d import pad_outputs
 from modeling_d3d.serving_d3d import D3DBatchServer
 
 from d3d.common.measure import timed
-from d3d.common.report import percent, pyplot, table, write_report
+from d3d.common.report import percent, pyplot, save_figure, table, write_report
 
 
 def left_pad(prompts: list[torch.Tensor], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,9 +177,7 @@ def plot(results: dict, path: Path) -> None:
     handles = axis.get_legend_handles_labels()[0] + speedup_axis.get_legend_handles_labels()[0]
     axis.legend(handles, [h.get_label() for h in handles], loc="upper left", fontsize=8)
     axis.set_title("Throughput against concurrency, one process")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def write(results: dict, output_dir: Path) -> str:

@@ -12,7 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from d3d.common.report import pyplot, table, write_report
+from d3d.common.report import pyplot, save_figure, table, write_report
 from .vllm_server import (
                           complete,
                           d3d_speculative_config,
@@ -114,9 +114,7 @@ def plot(results: dict, path: Path) -> None:
     axis.set_ylabel("aggregate tokens/s")
     axis.legend(fontsize=8)
     axis.set_title("vLLM (servers) beside this project's engine (one process)")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def write(results: dict, output_dir: Path) -> str:

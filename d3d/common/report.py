@@ -15,6 +15,18 @@ def pyplot():
     return plt
 
 
+def save_figure(figure, path: Path) -> None:
+    """Lay `figure` out, write it to `path` (PNG, 120 dpi) and free it."""
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    pyplot().close(figure)
+
+
+def speed_title(results: dict) -> str:
+    """The benchmark plot's title, naming how it decoded (greedy or the sampling settings)."""
+    return f"Decoding speed, {sampling_description(results.get('sampling'))}, one process"
+
+
 def percent(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
@@ -134,10 +146,8 @@ def plot(results: dict, path: Path) -> None:
     axis.set_xticklabels(methods, rotation=20, ha="right", fontsize=8)
     axis.set_ylabel("speedup over the fastest target-alone baseline")
     axis.legend()
-    axis.set_title("Decoding speed, greedy, one process")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    axis.set_title(speed_title(results))
+    save_figure(figure, path)
 
 
 def table(columns: list[str], rows: list[list[object]]) -> list[str]:
@@ -200,9 +210,7 @@ def prefill_plot(results: dict, path: Path) -> None:
     score_axis.set_ylim(bottom=0)
     score_axis.legend(loc="upper right")
     axis.set_title("Selective prefill with D3D")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def write_prefill(results: dict, output_dir: Path) -> str:
@@ -210,5 +218,5 @@ def write_prefill(results: dict, output_dir: Path) -> str:
     return write_report(results, output_dir, "prefill", prefill_markdown, prefill_plot)
 
 
-__all__ = ["markdown", "percent", "pyplot", "plot", "prefill_markdown", "prefill_plot", "table", "write",
-           "write_prefill", "write_report"]
+__all__ = ["markdown", "percent", "pyplot", "plot", "prefill_markdown", "prefill_plot", "sampling_description",
+           "save_figure", "speed_title", "table", "write", "write_prefill", "write_report"]
