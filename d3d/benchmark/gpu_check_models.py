@@ -40,7 +40,7 @@ class Shapes:
     full_target_layers: int = 36
     full_drafter_layers: int = 31
     prefix: int = 512
-    timing_rows: tuple[int, ...] = (1, 4)
+    timing_rows: tuple[int, ...] = (1,)
     timing_new_tokens: int = 48
     server_rows: int = 8
     server_length: int = 4096
