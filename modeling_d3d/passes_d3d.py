@@ -61,6 +61,12 @@ class PassLayout:
         """Columns the pass must attend over: every column it writes or a query sees."""
         return int(torch.maximum(self.write_index.max() + 1, self.prefix_end.max()))
 
+    def sees_every_column(self, kv_length: int) -> bool:
+        """Whether each row is one query that sees all of columns `0..kv_length-1` (a plain decoding step of rows of
+        one length): its attention then needs no mask."""
+        return (self.ids.shape[1] == 1 and bool((self.prefix_end == kv_length).all())
+                and bool((self.own_end <= self.own_start).all()))
+
 
 class PassLayoutBuilder:
     """A `PassLayout` of `rows` rows of `width` input columns, written span by span (`put_causal`, `put_block`,
@@ -134,7 +140,10 @@ def run_pass(model, cache: StaticKVCache, layout: PassLayout, logits_to_keep: in
     if tail is not None:
         ids[:rows, ids.shape[1] - tail.shape[1]:] = move(tail, device)
     cache.plan(ids.shape[0], write_index, kv_length, first_row)
-    mask = interval_mask(model.config, prefix_end, own_start, own_end, kv_length, model.dtype)
+    # a plain decoding step attends without a mask, as `generate`'s does (sdpa's unmasked kernel is faster; compiled
+    # passes attend over every cache column and always need theirs)
+    mask = (None if forward is None and layout.sees_every_column(kv_length)
+            else interval_mask(model.config, prefix_end, own_start, own_end, kv_length, model.dtype))
     keep = logits_to_keep
     if forward is not None:  # the kept columns as a tensor: its length is a dynamic dimension, an int a guard
         width = ids.shape[1]

@@ -12,7 +12,8 @@ from conftest import left_pad, tiny_target
 from modeling_d3d import D3DForBlockDiffusion, RoundRecord
 from modeling_d3d.caches_d3d import StaticKVCache
 from modeling_d3d.generation_d3d import speculative_generate
-from modeling_d3d.passes_d3d import PASS_KINDS, CompiledPasses, compiled_passes, prefill, release_compiled_passes
+from modeling_d3d.passes_d3d import (PASS_KINDS, CompiledPasses, PassLayout, compiled_passes, prefill,
+                                     release_compiled_passes)
 from modeling_d3d.shapes_d3d import COMPILE_LENGTH_BUCKET, engine_size
 from modeling_d3d.successor_d3d import successor_pass
 from policies import EveryChoice
@@ -305,3 +306,20 @@ def test_the_cache_pool_stays_bounded_over_many_prompt_lengths_and_reuses_nearby
     finally:
         for model in held:
             release_compiled_passes(model)
+
+
+def test_only_a_plain_decoding_step_attends_without_a_mask():
+    """`run_pass` drops the mask (as `generate`'s steps have none) only when each row is one query that sees every
+    attended column: rows of one length stepping one token; never for ragged rows, several columns or a block."""
+    def step(starts: list[int], width: int = 1) -> tuple[PassLayout, int]:
+        layout = PassLayout.causal(torch.zeros(len(starts), width, dtype=torch.long), torch.tensor(starts))
+        return layout, layout.kv_length()
+
+    assert step([7])[0].sees_every_column(step([7])[1])
+    assert step([7, 7])[0].sees_every_column(step([7, 7])[1])
+    assert not step([7, 5])[0].sees_every_column(step([7, 5])[1])  # the shorter row must not see the longer's columns
+    assert not step([7], width=2)[0].sees_every_column(step([7], width=2)[1])  # causal inside the pass
+    layout, kv_length = step([7])
+    assert not layout.sees_every_column(kv_length + 1)  # a column beyond the row's prefix
+    blocked = PassLayout(*layout.fields()[:4], torch.tensor([[10]]), torch.tensor([[12]]))  # sees its own block too
+    assert not blocked.sees_every_column(kv_length)
