@@ -4,7 +4,7 @@ near-tie (not a failure), any other difference a divergence."""
 import torch
 
 from conftest import tiny_target
-from d3d.benchmark.identity import classify
+from d3d.benchmark.identity import classify, sampled_consistency
 from d3d.common.report import markdown
 
 
@@ -67,8 +67,6 @@ def sampled(target, prompts, temperature: float, seed: int, new_tokens: int = 24
 def test_sampled_outputs_are_consistent_with_the_targets_own_and_colder_ones_are_not():
     """The sampled check, per prompt (paired): another draw from the target's distribution passes; draws at a lower
     temperature than the one checked (likelier tokens) fail, as do tokens outside top-k."""
-    from d3d.benchmark.identity import sampled_consistency
-
     target = tiny_target(3, vocab_size=16)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 16, (1, 4), generator=generator) for _ in range(32)]
@@ -80,3 +78,16 @@ def test_sampled_outputs_are_consistent_with_the_targets_own_and_colder_ones_are
     assert not colder["consistent"] and colder["z"] > 4 and colder["p"] < 1e-4, colder
     narrow = sampled_consistency(target, prompts, reference, reference, {**settings, "top_k": 2})
     assert narrow["outside_support"] > 0 and not narrow["consistent"]
+
+
+def test_in_bfloat16_a_token_just_outside_the_support_is_rounding_and_in_float32_it_is_outside():
+    """With top-k 1 the support is the target's best token (5); its near-tie runner-up (7, 1/160 of the top logit
+    behind) is what a bfloat16 step may keep where the checking pass ranks it second: within the rounding allowance in
+    bfloat16, outside in float32. A token far behind (3) is outside in both."""
+    settings = {"do_sample": True, "temperature": 1.0, "top_k": 1}
+    prompts, reference = PROMPTS[:2], [[5, 5, 5], [5, 5, 5]]
+    for dtype, outside in ((torch.bfloat16, 0), (torch.float32, 1)):
+        check = sampled_consistency(near_tie_target(dtype), prompts, reference, [[5, 7, 5], [5, 5, 5]], settings)
+        assert check["outside_support"] == outside, (dtype, check)
+        far = sampled_consistency(near_tie_target(dtype), prompts, reference, [[5, 3, 5], [5, 5, 5]], settings)
+        assert far["outside_support"] == 1 and not far["consistent"], (dtype, far)

@@ -82,21 +82,34 @@ def output_probabilities(target, prompt: torch.Tensor, output: list[int], sampli
     return torch.cat(rows).softmax(-1) if rows else logits.new_zeros(0, logits.shape[-1])
 
 
+def rounding_allowance(sampling: dict) -> dict:
+    """`sampling` with its support widened by what low-precision rounding moves (one more token for top-k, `NEAR_TIE`
+    more mass for top-p): a one-token step in bfloat16 may keep a token that the checking pass, over the whole
+    sequence at once, ranks just outside the support, as the target's own `generate` does."""
+    wider = dict(sampling)
+    if sampling.get("top_k"):
+        wider["top_k"] = sampling["top_k"] + 1
+    if sampling.get("top_p") not in (None, 1.0):
+        wider["top_p"] = min(1.0, sampling["top_p"] + NEAR_TIE)
+    return wider
+
+
 def sampled_consistency(target, prompts: list[torch.Tensor], reference: list[list[int]], outputs: list[list[int]],
                         sampling: dict) -> dict:
     """Whether sampled `outputs` look drawn from the same distribution as the target's own sampled `reference`: every
-    token inside the sampling support, and the mean log-probability of their tokens under the target not above or
+    token inside the sampling support (in low precision, its `rounding_allowance`: float32 checks it exactly), and the mean log-probability of their tokens under the target not above or
     below the reference's by a paired sign-flip test over prompts (`p` >= 1e-4; `z`, the paired difference of the per-prompt
     means over its standard error, is reported beside it). The unit is the prompt, not the token (a sequence's
     tokens depend on each other: one that falls into a loop has every token likely). A distribution check, not
     token identity."""
     differences, outside = [], 0
+    support = sampling if checks_exactly(target) else rounding_allowance(sampling)
     for prompt, expected, got in zip(prompts, reference, outputs):
         means = []
         for name, tokens in (("reference", expected), ("outputs", got)):
             if not tokens:
                 continue
-            probabilities = output_probabilities(target, prompt, tokens, sampling)
+            probabilities = output_probabilities(target, prompt, tokens, support)
             chosen = probabilities[torch.arange(len(tokens)), torch.tensor(tokens, device=probabilities.device)]
             outside += int((chosen == 0).sum()) if name == "outputs" else 0
             means.append(float(chosen.clamp(min=1e-30).log().mean()))
@@ -144,4 +157,4 @@ def ceiling_tau(target, prompts: list[torch.Tensor], outputs: list[list[int]], b
 
 
 __all__ = ["CANDIDATES", "NEAR_TIE", "ceiling_tau", "checks_exactly", "classify", "output_probabilities",
-           "sampled_consistency", "sampling_processors", "sign_flip_p_value", "top2_in_float32", "top2_margin"]
+           "rounding_allowance", "sampled_consistency", "sampling_processors", "sign_flip_p_value", "top2_in_float32", "top2_margin"]
