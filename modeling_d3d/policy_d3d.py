@@ -88,13 +88,15 @@ class VerifyPolicy:
 
     def cost(self, kind: str, rows: int) -> float:
         """Seconds of a pass of `kind` over `rows` rows: given, measured, or (not measured yet) the cheapest it can
-        be: a narrow pass as a wide one, a drafter pass free."""
+        be: a narrow pass as a wide one, a drafter pass free. A narrow pass never counts as dearer than a wide one:
+        a slow narrow round (a pause of the process) would otherwise make every round draft, and a narrow pass that
+        is never chosen is never measured again."""
         if self.costs is not None:
             return self.costs[kind]
+        if kind == "narrow":
+            return min(self.measured.get(("narrow", rows), float("inf")), self.measured.get(("wide", rows), 1.0))
         if (kind, rows) in self.measured:
             return self.measured[(kind, rows)]
-        if kind == "narrow":
-            return self.measured.get(("wide", rows), 1.0)
         if kind == "wide":
             return self.measured.get(("narrow", rows), 1.0)
         return 0.0

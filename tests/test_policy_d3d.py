@@ -245,3 +245,15 @@ def test_one_slow_round_does_not_make_a_drafter_that_pays_look_too_costly():
     policy.observe(keys, RoundPlan([NOTHING], False, 1), [0], 0.015, 0.0)
     assert policy.cost("drafter", 1) <= 0.01 * (1 + policy.smoothing) + 1e-12
     assert plan_of(policy, [[]]) == [BLOCK]  # ~4 tokens per 0.03 s beat 1 per 0.015 s
+
+
+def test_one_slow_plain_step_does_not_make_every_round_draft():
+    """The first narrow round measured during a pause (50x a wide one) would make drafting look worth it for good
+    (a narrow pass that is never chosen is never measured again): a narrow pass counts as no dearer than a wide one,
+    so the policy still skips a drafter that keeps nothing."""
+    policy = VerifyPolicy(16)
+    for _ in range(40):  # blocks that keep nothing: the drafter's expected gain falls towards 0
+        policy.observe([0], RoundPlan([BLOCK], True, 16), [0], 0.006, 0.004)
+    policy.observe([0], RoundPlan([NOTHING], False, 1), [0], 0.3, 0.0)  # one plain step during a pause
+    assert policy.cost("narrow", 1) == policy.cost("wide", 1)
+    assert plan_of(policy, [[]]) == [NOTHING]  # 1 token per 6 ms beats ~1.1 per 10 ms
