@@ -94,7 +94,8 @@ class VerifyPolicy:
         if self.costs is not None:
             return self.costs[kind]
         if kind == "narrow":
-            return min(self.measured.get(("narrow", rows), float("inf")), self.measured.get(("wide", rows), 1.0))
+            known = [self.measured[(k, rows)] for k in ("narrow", "wide") if (k, rows) in self.measured]
+            return min(known, default=1.0)
         if (kind, rows) in self.measured:
             return self.measured[(kind, rows)]
         if kind == "wide":

@@ -257,3 +257,6 @@ def test_one_slow_plain_step_does_not_make_every_round_draft():
     policy.observe([0], RoundPlan([NOTHING], False, 1), [0], 0.3, 0.0)  # one plain step during a pause
     assert policy.cost("narrow", 1) == policy.cost("wide", 1)
     assert plan_of(policy, [[]]) == [NOTHING]  # 1 token per 6 ms beats ~1.1 per 10 ms
+    alone = VerifyPolicy(16)  # a narrow pass measured before any wide one (a lookup that found nothing) is itself
+    alone.observe([0], RoundPlan([NOTHING], False, 1), [0], 2.5, 0.0)
+    assert alone.cost("narrow", 1) == alone.cost("wide", 1) == 2.5
