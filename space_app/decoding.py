@@ -340,5 +340,6 @@ def decode_live(target, drafter, tokenizer, prompt_ids: torch.LongTensor, settin
 __all__ = [
     "CACHE", "DRAFT", "LOOKUP", "TARGET", "MAX_FANOUT", "MAX_NEW_TOKENS", "MAX_TEMPERATURE", "Detokenizer", "EngineModules",
     "LiveDecode", "Round", "Settings", "check_prompt_length", "check_settings", "compare_live", "decode_live",
-    "default_settings", "encode_prompt", "engine_modules", "prepare_request", "rounds_of", "row_settings", "token_kinds", "warm_up", "whole_number",
+    "default_settings", "encode_prompt", "engine_modules", "prepare_request", "rounds_of", "row_settings",
+    "token_kinds", "warm_up", "whole_number",
 ]

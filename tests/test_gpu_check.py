@@ -131,7 +131,8 @@ def test_vllm_checks_without_cuda_or_without_vllm_one_line_and_exit_2(tmp_path, 
 
 def test_timing_check_runs_at_smoke_shapes_and_reports_the_timed_calls():
     """`timing-8b` (CUDA-only in the command, so no smoke run reaches it) at smoke shapes on this CPU: each row of the
-    report is the timed call's own round record (its 48 tokens, not the 4-token warm-up's), with the verify policy's and the forced-acceptance runs beside it."""
+    report is the timed call's own round record (its 48 tokens, not the 4-token warm-up's), with the verify policy's
+    and the forced-acceptance runs beside it."""
     device = torch.device("cpu")
     context = Context(SMOKE_SHAPES, device, ModelCache(SMOKE_SHAPES, device), time.monotonic() + 600)
     status, summary, details = timing_check(context)

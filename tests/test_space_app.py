@@ -304,7 +304,8 @@ def test_the_space_runs_without_this_project_installed(tmp_path):
 
 def test_the_space_runs_a_drafter_saved_with_the_names_before_the_rename(tmp_path):
     """A drafter folder saved before 2026-12-03 carries remote code that calls a prepared branch's hit `from_cache`
-    and the engine's record `engine.record`, and has no `engine.rounds`: the Space still decodes with it, lossless, and colours its branch hits."""
+    and the engine's record `engine.record`, and has no `engine.rounds`: the Space still decodes with it, lossless,
+    and colours its branch hits."""
     target_folder, drafter_folder = save_tiny_models(tmp_path)
     renames = [("from_branch", "from_cache"), ("branch_hits", "cache_hits"), ("engine.round_record", "engine.record"),
                ("self.round_record", "self.record"), ("def rounds(self)", "def rounds_not_yet_written(self)")]

@@ -131,16 +131,18 @@ def timing_rows(context: Context, rows: int) -> dict:
     ids, mask = random_prompts([s.prefix] * rows, s.vocab, device, seed=5)
     n = s.timing_new_tokens
     settings = {"max_new_tokens": n, "do_sample": False, "pad_token_id": 0}
+
+    def greedy(tokens: int) -> dict:
+        return {**settings, "attention_mask": mask, "max_new_tokens": tokens}
+
     methods = {  # each measured call, by its name in the report, taking max_new_tokens
-        "generate": lambda tokens: target.generate(ids, attention_mask=mask, **{**settings, "max_new_tokens": tokens}),
-        "engine_alone": lambda tokens: target.generate(ids, attention_mask=mask, custom_generate=speculative_generate,
-                                                       **{**settings, "max_new_tokens": tokens}),
-        **{f"{mode}_random_drafter": lambda tokens, mode=mode: drafter.generate_batch(
-            target, ids, attention_mask=mask, **{**settings, "max_new_tokens": tokens}, **MODES[mode])
+        "generate": lambda tokens: target.generate(ids, **greedy(tokens)),
+        "engine_alone": lambda tokens: target.generate(ids, custom_generate=speculative_generate, **greedy(tokens)),
+        **{f"{mode}_random_drafter": lambda tokens, mode=mode: drafter.generate_batch(target, ids, **greedy(tokens),
+                                                                                      **MODES[mode])
            for mode in ("sync", "async")},
         # the front door's default, the verify policy: with a drafter that keeps nothing it should run as the target
-        "sync_random_drafter_policy": lambda tokens: drafter.generate_batch(
-            target, ids, attention_mask=mask, **{**settings, "max_new_tokens": tokens}),
+        "sync_random_drafter_policy": lambda tokens: drafter.generate_batch(target, ids, **greedy(tokens)),
     }
     for method in methods.values():  # warm-up: every method's first call (allocations, kernels, the worker)
         method(4)

@@ -97,9 +97,10 @@ def rounding_allowance(sampling: dict) -> dict:
 def sampled_consistency(target, prompts: list[torch.Tensor], reference: list[list[int]], outputs: list[list[int]],
                         sampling: dict) -> dict:
     """Whether sampled `outputs` look drawn from the same distribution as the target's own sampled `reference`: every
-    token inside the sampling support (in low precision, its `rounding_allowance`: float32 checks it exactly), and the mean log-probability of their tokens under the target not above or
-    below the reference's by a paired sign-flip test over prompts (`p` >= 1e-4; `z`, the paired difference of the per-prompt
-    means over its standard error, is reported beside it). The unit is the prompt, not the token (a sequence's
+    token inside the sampling support (in low precision, its `rounding_allowance`: float32 checks it exactly), and
+    the mean log-probability of their tokens under the target not above or below the reference's by a paired
+    sign-flip test over prompts (`p` >= 1e-4; `z`, the paired difference of the per-prompt means over its standard
+    error, is reported beside it). The unit is the prompt, not the token (a sequence's
     tokens depend on each other: one that falls into a loop has every token likely). A distribution check, not
     token identity."""
     differences, outside = [], 0
@@ -157,4 +158,5 @@ def ceiling_tau(target, prompts: list[torch.Tensor], outputs: list[list[int]], b
 
 
 __all__ = ["CANDIDATES", "NEAR_TIE", "ceiling_tau", "checks_exactly", "classify", "output_probabilities",
-           "rounding_allowance", "sampled_consistency", "sampling_processors", "sign_flip_p_value", "top2_in_float32", "top2_margin"]
+           "rounding_allowance", "sampled_consistency", "sampling_processors", "sign_flip_p_value", "top2_in_float32",
+           "top2_margin"]
