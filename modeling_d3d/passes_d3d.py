@@ -16,7 +16,7 @@ import torch
 
 from .caches_d3d import CachePool, StaticKVCache
 from .masking_d3d import interval_mask
-from .shapes_d3d import fixed_by_default
+from .shapes_d3d import attended_columns, fixed_by_default
 from .streams_d3d import move, upload
 from .versions_d3d import check_torch
 
@@ -123,8 +123,9 @@ def run_pass(model, cache: StaticKVCache, layout: PassLayout, logits_to_keep: in
     """One forward of `model` (a target or a drafter) over `layout` on cache rows `first_row..`; returns the logits of
     the last `logits_to_keep` input columns, `(rows, logits_to_keep, vocab)`, float32 (or the model's dtype with
     `float32=False`, for callers that only rank them). `forward`: a `CompiledForward` to use instead: it attends over
-    every cache column (eager passes: over the columns in use only), with fixed shapes over every slot too (the added
-    rows' logits are dropped), and its logits are a copy (a CUDA graph's outputs are overwritten by its next replay).
+    every cache column (eager passes: the columns in use, `shapes_d3d.attended_columns`), with fixed shapes over every
+    slot too (the added rows' logits are dropped), and its logits are a copy (a CUDA graph's outputs are overwritten by
+    its next replay).
     tail: `(rows, n)` token ids already on a device (a verify pass's drafts), put in the last `n` input columns on the
     device, so they never go through the host.
 
@@ -133,7 +134,7 @@ def run_pass(model, cache: StaticKVCache, layout: PassLayout, logits_to_keep: in
     rows = layout.ids.shape[0]
     if fixed_shapes(forward):
         layout = layout.padded(cache.slots - first_row)
-    kv_length = cache.capacity if forward is not None else layout.kv_length()
+    kv_length = cache.capacity if forward is not None else attended_columns(layout.kv_length(), cache.capacity, device)
     fields = upload(torch.stack([layout.ids, layout.positions, layout.write_index, layout.prefix_end,
                                  layout.own_start, layout.own_end]), device)
     ids, positions, write_index, prefix_end, own_start, own_end = fields.unbind(0)

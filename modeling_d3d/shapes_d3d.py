@@ -10,6 +10,7 @@ import torch
 
 COMPILE_LENGTH_BUCKET = 256  # cache lengths of fixed-shape engines are multiples of this (one graph per bucket)
 DYNAMIC_LENGTH_BUCKET = 64  # cache lengths of other compiled engines are multiples of this (pooled caches reused)
+EAGER_CUDA_KV_BUCKET = 128  # eager passes on CUDA attend over a multiple of this many columns (`attended_columns`)
 
 
 def fixed_by_default(device: torch.device | str) -> bool:
@@ -27,6 +28,19 @@ def engine_size(rows: int, max_length: int, fixed: bool) -> tuple[int, int]:
     if not fixed:
         return max(rows, 2), -(-max_length // DYNAMIC_LENGTH_BUCKET) * DYNAMIC_LENGTH_BUCKET
     return max(1 << (rows - 1).bit_length(), 2), -(-max_length // COMPILE_LENGTH_BUCKET) * COMPILE_LENGTH_BUCKET
+
+
+def attended_columns(needed: int, capacity: int, device: torch.device | str) -> int:
+    """Cache columns an eager pass attends over when it needs `needed`: on CUDA rounded up to a multiple of
+    `EAGER_CUDA_KV_BUCKET` (at most `capacity`; the mask hides the extra columns), elsewhere exactly `needed`.
+
+    Attention kernels that build a plan per shape (cuDNN's SDPA, which torch >= 2.5 prefers on compute capability 9.0+
+    GPUs) would otherwise build one every decoding step, each step's length being new: on an H200 with torch 2.11
+    that cost 40-80 ms a step at 8 layers of Qwen3-8B, against 9-13 ms for the step itself (docs/results.md,
+    2026-12-04). On CPUs no kernel builds plans, and the exact length keeps the plain step's mask-free path."""
+    if torch.device(device).type != "cuda":
+        return needed
+    return min(capacity, -(-needed // EAGER_CUDA_KV_BUCKET) * EAGER_CUDA_KV_BUCKET)
 
 
 def block_causal_width(uncached: list[int], block_size: int, fixed: bool) -> int:
@@ -54,5 +68,6 @@ def successor_scratch_columns(block_size: int, max_blocks: int) -> int:
     return (max_blocks + 3) * block_size
 
 
-__all__ = ["COMPILE_LENGTH_BUCKET", "DYNAMIC_LENGTH_BUCKET", "block_causal_width", "block_scratch_columns", "engine_size", "fixed_by_default",
-           "successor_causal_width", "successor_scratch_columns"]
+__all__ = ["COMPILE_LENGTH_BUCKET", "DYNAMIC_LENGTH_BUCKET", "EAGER_CUDA_KV_BUCKET", "attended_columns",
+           "block_causal_width", "block_scratch_columns", "engine_size", "fixed_by_default", "successor_causal_width",
+           "successor_scratch_columns"]

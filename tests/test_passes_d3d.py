@@ -13,8 +13,9 @@ from modeling_d3d import D3DForBlockDiffusion, RoundRecord
 from modeling_d3d.caches_d3d import StaticKVCache
 from modeling_d3d.generation_d3d import speculative_generate
 from modeling_d3d.passes_d3d import (PASS_KINDS, CompiledPasses, PassLayout, compiled_passes, prefill,
-                                     release_compiled_passes)
-from modeling_d3d.shapes_d3d import COMPILE_LENGTH_BUCKET, engine_size
+                                     release_compiled_passes, run_pass)
+from modeling_d3d import passes_d3d
+from modeling_d3d.shapes_d3d import COMPILE_LENGTH_BUCKET, attended_columns, engine_size
 from modeling_d3d.successor_d3d import successor_pass
 from policies import EveryChoice
 
@@ -323,3 +324,41 @@ def test_only_a_plain_decoding_step_attends_without_a_mask():
     assert not layout.sees_every_column(kv_length + 1)  # a column beyond the row's prefix
     blocked = PassLayout(*layout.fields()[:4], torch.tensor([[10]]), torch.tensor([[12]]))  # sees its own block too
     assert not blocked.sees_every_column(kv_length)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_eager_passes_under_the_cuda_rule_attend_over_whole_buckets_and_stay_exact(asynchronous, monkeypatch):
+    """On CUDA an eager pass attends over a multiple of `EAGER_CUDA_KV_BUCKET` cache columns (`attended_columns`;
+    cuDNN's attention builds a plan per shape), the mask hiding the columns beyond each row's prefix. Run here with the
+    CUDA rule on a CPU: ragged rows ending at different rounds, nothing or the drafter's block verified by turns,
+    token for token the target's own `generate`, with passes whose needed length is not a whole bucket."""
+    assert [attended_columns(n, 1000, "cuda") for n in (1, 128, 129, 300)] == [128, 128, 256, 384]
+    assert attended_columns(129, 200, "cuda") == 200 and attended_columns(129, 1000, "cpu") == 129
+    widened = []
+
+    def cuda_rule(needed: int, capacity: int, device) -> int:
+        columns = attended_columns(needed, capacity, "cuda")
+        widened.append(columns > needed)
+        return columns
+
+    target, drafter = pair()
+    context = torch.randint(0, VOCAB, (150,), generator=torch.Generator().manual_seed(4)).tolist()
+
+    def step_logits(starts: list[int]) -> torch.Tensor:  # one decoding step of rows with `starts` tokens cached
+        cache = StaticKVCache(target.config, len(starts), 300, "cpu", target.dtype)
+        for slot, start in enumerate(starts):
+            prefill(target, cache, slot, context[:start])
+        step = PassLayout.causal(torch.tensor([[context[start]] for start in starts]), torch.tensor(starts))
+        return run_pass(target, cache, step, 1)
+
+    exact = [step_logits(starts) for starts in ([140], [140, 140], [140, 100])]
+    monkeypatch.setattr(passes_d3d, "attended_columns", cuda_rule)
+    for starts, logits in zip(([140], [140, 140], [140, 100]), exact):
+        torch.testing.assert_close(step_logits(starts), logits, rtol=1e-5, atol=1e-5)
+    ids, mask = prompts([120, 131, 97], 3)
+    settings = ragged_settings(target, ids, mask, 20)
+    output = target.generate(ids, attention_mask=mask, custom_generate=speculative_generate, drafter=drafter,
+                             asynchronous=asynchronous, policy=EveryChoice(BLOCK), **settings)
+    monkeypatch.undo()
+    assert torch.equal(output, target.generate(ids, attention_mask=mask, **settings))
+    assert sum(widened) > len(widened) // 2

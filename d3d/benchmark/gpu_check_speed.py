@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 
 from d3d.common.measure import timed
@@ -135,8 +136,13 @@ def timing_rows(context: Context, rows: int) -> dict:
     def greedy(tokens: int) -> dict:
         return {**settings, "attention_mask": mask, "max_new_tokens": tokens}
 
+    def generate_without_cudnn(tokens: int):  # cuDNN's attention builds a plan for every new length (shapes_d3d)
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            return target.generate(ids, **greedy(tokens))
+
     methods = {  # each measured call, by its name in the report, taking max_new_tokens
         "generate": lambda tokens: target.generate(ids, **greedy(tokens)),
+        "generate_without_cudnn_attention": generate_without_cudnn,
         "engine_alone": lambda tokens: target.generate(ids, custom_generate=speculative_generate, **greedy(tokens)),
         **{f"{mode}_random_drafter": lambda tokens, mode=mode: drafter.generate_batch(target, ids, **greedy(tokens),
                                                                                       **MODES[mode])
@@ -150,12 +156,15 @@ def timing_rows(context: Context, rows: int) -> dict:
     measured = {}
     for name, method in methods.items():
         seconds = timed(partial(method, n), device)[1]
-        if name in ("generate", "engine_alone"):
+        if name in ("generate", "generate_without_cudnn_attention", "engine_alone"):
             out[f"{name}_tokens_per_s"] = round(rows * n / seconds, 1)
         else:
             measured[name] = record_split(drafter.round_record, seconds)
+    # speedups are against the target at its fastest: torch's default attention backends or without cuDNN's
+    fastest = out["target_fastest_tokens_per_s"] = max(out["generate_tokens_per_s"],
+                                                       out["generate_without_cudnn_attention_tokens_per_s"])
     measured["sync_random_drafter_policy"]["speedup_vs_generate"] = round(
-        measured["sync_random_drafter_policy"]["tokens_per_s"] / out["generate_tokens_per_s"], 2)
+        measured["sync_random_drafter_policy"]["tokens_per_s"] / fastest, 2)
     token = 7
     forced = {**settings, "max_new_tokens": 8 * s.block_size}
     bias, tau = calibrate_tau(target, drafter, ids, mask, {**settings, "max_new_tokens": 4 * s.block_size}, token)
@@ -166,7 +175,7 @@ def timing_rows(context: Context, rows: int) -> dict:
             seconds = timed(lambda: drafter.generate_batch(target, ids, attention_mask=mask, **forced,
                                                                     **MODES[mode]), device)[1]
             split = record_split(drafter.round_record, seconds)
-            split["speedup_vs_generate"] = round(split["tokens_per_s"] / out["generate_tokens_per_s"], 2)
+            split["speedup_vs_generate"] = round(split["tokens_per_s"] / fastest, 2)
             measured[f"{mode}_forced_tau"] = split
     out["engine_measured"] = measured
     models = {"target": target, "drafter": drafter}
@@ -182,7 +191,7 @@ def timing_rows(context: Context, rows: int) -> dict:
         "label": "projection: CUDA-event pass times + the engine's measured host ms a round, at the paper's tau 7.88",
         **{f"{name}_round_ms": round(ms, 3) for name, ms in rounds.items()},
         **{f"{name}_tokens_per_s": round(rows * PAPER_TAU / ms * 1e3, 1) for name, ms in rounds.items()},
-        **{f"{name}_speedup_vs_generate": round(rows * PAPER_TAU / ms * 1e3 / out["generate_tokens_per_s"], 2)
+        **{f"{name}_speedup_vs_generate": round(rows * PAPER_TAU / ms * 1e3 / fastest, 2)
            for name, ms in rounds.items()},
     }
     return out
@@ -196,7 +205,8 @@ def timing_check(context: Context):
             continue
         results.append(timing_rows(context, rows))
     summary = "; ".join(
-        f"rows {r['rows']}: generate {r['generate_tokens_per_s']} tok/s, "
+        f"rows {r['rows']}: generate {r['generate_tokens_per_s']} tok/s "
+        f"({r['generate_without_cudnn_attention_tokens_per_s']} without cuDNN attention), "
         f"engine alone {r['engine_alone_tokens_per_s']}, "
         f"random drafter with the verify policy {r['engine_measured']['sync_random_drafter_policy']['tokens_per_s']}, "
         f"forced tau {r['engine_measured']['sync_forced_tau']['tau']}: sync "
