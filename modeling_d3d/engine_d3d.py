@@ -409,14 +409,20 @@ class SpeculativeEngine:
         # 4. process: each row's logits processors over the target's logits (a row whose processors fail leaves)
         logits = self._process(logits, drafts, failed)
         # 5. accept: greedy matching, rejection sampling for sampled rows; then the round's one device-to-host read
-        accepted, tokens = greedy_accept(drafts, num_drafts, logits)
         sampled = [r for r, row in enumerate(self.rows) if row.settings.do_sample and r not in failed]
+        mixed = 0 < len(sampled) < len(self.rows)
+        if len(sampled) < len(self.rows):  # greedy rows (and failed ones, whose tokens are never read)
+            accepted, tokens = greedy_accept(drafts, num_drafts, logits)
         if sampled:
-            index = torch.tensor(sampled, device=self.device)
+            index = torch.tensor(sampled, device=self.device) if mixed else slice(None)
             q = (proposal.logits.to(self.device)[index] if proposal is not None
                  else logits.new_zeros(len(sampled), 0, logits.shape[-1]))
-            accepted[index], tokens[index] = self.verify_sampled(
-                drafts[index], num_drafts[index], q, logits[index], [self.rows[r].verify_rng for r in sampled])
+            drawn = self.verify_sampled(drafts[index], num_drafts[index], q, logits[index],
+                                        [self.rows[r].verify_rng for r in sampled])
+            if mixed:
+                accepted[index], tokens[index] = drawn
+            else:
+                accepted, tokens = drawn
         host = torch.cat([accepted[:, None], tokens], dim=1).cpu().tolist()
         # 6. stop and commit: each row cut where the target alone stops; the target's cache commits what it keeps
         outcomes = []
