@@ -88,14 +88,17 @@ class VerifyPolicy:
 
     def cost(self, kind: str, rows: int) -> float:
         """Seconds of a pass of `kind` over `rows` rows: given, measured, or (not measured yet) the cheapest it can
-        be: a narrow pass as a wide one, a drafter pass free. A narrow pass never counts as dearer than a wide one:
-        a slow narrow round (a pause of the process) would otherwise make every round draft, and a narrow pass that
-        is never chosen is never measured again."""
+        be: a narrow pass and a drafter pass free, a wide pass as a narrow one. So the first round at a batch size
+        is a plain step, which measures the narrow pass (were it priced as a wide one, a drafter that keeps a few
+        tokens would win every round and the narrow pass never be measured, however dear wide rounds are: at 16
+        rows on a CPU they cost 4-5 narrow ones). A narrow pass never counts as dearer than a wide one: a slow narrow
+        round (a pause of the process) would otherwise make every round draft."""
         if self.costs is not None:
             return self.costs[kind]
         if kind == "narrow":
-            known = [self.measured[(k, rows)] for k in ("narrow", "wide") if (k, rows) in self.measured]
-            return min(known, default=1.0)
+            if ("narrow", rows) not in self.measured:
+                return 0.0
+            return min(self.measured[(k, rows)] for k in ("narrow", "wide") if (k, rows) in self.measured)
         if (kind, rows) in self.measured:
             return self.measured[(kind, rows)]
         if kind == "wide":
@@ -117,15 +120,15 @@ class VerifyPolicy:
         pooled = self.pooling * self.priors[BLOCK]
         block_gain = [(1 - self.pooling) * h.block + pooled if drafter else 0.0 for h in history]
         narrow, wide = self.cost("narrow", rows), self.cost("wide", rows)
-        options = [(rows / narrow, 0, [NOTHING] * rows)]
+        options = [(rate(rows, narrow), 0, [NOTHING] * rows)]
         if any(lookups):
-            options.append(((rows + sum(lookup_gain)) / wide, 1,
+            options.append((rate(rows + sum(lookup_gain), wide), 1,
                             [LOOKUP if found else NOTHING for found in lookups]))
         if drafter:
             gains = [max(b, g) for b, g in zip(block_gain, lookup_gain)]
             choices = [LOOKUP if g > b else BLOCK for b, g in zip(block_gain, lookup_gain)]
             drafting = self.cost("drafter", rows) if BLOCK in choices else 0.0
-            options.append(((rows + sum(gains)) / (wide + drafting), 2, choices))
+            options.append((rate(rows + sum(gains), wide + drafting), 2, choices))
             probes = [h.since_block >= self.interval for h in history]
             if any(probes):
                 options = [(0.0, 3, [BLOCK if probe else choice for probe, choice in zip(probes, choices)])]
@@ -175,6 +178,11 @@ class VerifyPolicy:
         if old is not None:
             seconds = old + self.smoothing * (min(seconds, OUTLIER * old) - old)
         self.measured[(kind, rows)] = seconds
+
+
+def rate(tokens: float, seconds: float) -> float:
+    """Tokens per second; a round of passes not measured yet (0 s) is infinitely fast (it is tried)."""
+    return tokens / seconds if seconds > 0 else float("inf")
 
 
 DEFAULT_BLOCK_SIZE = 16  # the verify width of prompt lookup without a drafter

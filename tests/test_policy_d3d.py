@@ -132,7 +132,9 @@ def plan_of_keys(policy: VerifyPolicy, keys: list) -> list[str]:
 
 def test_costs_not_measured_yet_are_taken_as_the_cheapest_they_can_be():
     policy = VerifyPolicy(16)
-    assert plan_of(policy, [[]]) == [BLOCK]  # nothing measured: drafting looks free
+    assert plan_of(policy, [[]]) == [NOTHING]  # nothing measured: a plain step looks free, and measures its pass
+    policy.observe([0], RoundPlan([NOTHING], False, 1), [0], 1.0, 0.0)
+    assert plan_of(policy, [[]]) == [BLOCK]  # a wide pass priced as a narrow one, drafting free
     policy.observe([0], RoundPlan([BLOCK], True, 16), [0], 1.0, 10.0)
     policy.observe([0], RoundPlan([BLOCK], True, 16), [0], 1.0, 10.0)
     assert policy.cost("narrow", 1) == 1.0 and policy.cost("drafter", 1) == 10.0
@@ -260,3 +262,21 @@ def test_one_slow_plain_step_does_not_make_every_round_draft():
     alone = VerifyPolicy(16)  # a narrow pass measured before any wide one (a lookup that found nothing) is itself
     alone.observe([0], RoundPlan([NOTHING], False, 1), [0], 2.5, 0.0)
     assert alone.cost("narrow", 1) == alone.cost("wide", 1) == 2.5
+
+
+def test_the_policy_measures_plain_steps_and_skips_drafting_where_a_batch_makes_wide_rounds_dear():
+    """16 rows whose blocks keep 2.7 drafts each, on a device where a wide round with its drafter pass costs 4.5
+    plain steps (a CPU at 16 rows): plain steps keep more tokens per second (16 per 10 ms against 59 per 45 ms). The
+    policy must measure a plain step to know it (priced as a wide pass until measured, it never was), then verify
+    nothing but its probes."""
+    policy, keys = VerifyPolicy(16), list(range(16))
+    seconds = {"narrow": 0.010, "wide": 0.035, "drafter": 0.010}
+    choices = Counter()
+    for _ in range(64):
+        plan = policy.plan(keys, [[] for _ in keys], True)
+        wide = plan.width > 1
+        policy.observe(keys, plan, [2.7 if choice == BLOCK else 0 for choice in plan.choices],
+                       seconds["wide" if wide else "narrow"], seconds["drafter"] if plan.drafter else 0.0)
+        choices[plan.choices[0]] += 1
+    assert policy.cost("narrow", 16) == seconds["narrow"]
+    assert choices[NOTHING] > 3 * choices[BLOCK]
