@@ -4,7 +4,8 @@ near-tie (not a failure), any other difference a divergence."""
 import torch
 
 from conftest import tiny_target
-from d3d.benchmark.identity import classify, sampled_consistency
+from d3d.benchmark.identity import (classify, kolmogorov_smirnov_p_value, sampled_consistency,
+                                     uniformity_p_value)
 from d3d.common.report import markdown
 
 
@@ -78,6 +79,35 @@ def test_sampled_outputs_are_consistent_with_the_targets_own_and_colder_ones_are
     assert not colder["consistent"] and colder["z"] > 4 and colder["p"] < 1e-4, colder
     narrow = sampled_consistency(target, prompts, reference, reference, {**settings, "top_k": 2})
     assert narrow["outside_support"] > 0 and not narrow["consistent"]
+
+
+def test_at_eight_prompts_the_token_level_uniformity_test_catches_what_the_paired_test_cannot():
+    """The paired sign-flip test cannot reject below 14 prompts (its smallest p is 2 / 2^n); the randomised
+    probability integral transforms of the tokens can: at 8 prompts, draws at a lower temperature than the one checked
+    fail by them alone, and another draw from the target's own distribution passes."""
+    target = tiny_target(3, vocab_size=16)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(6.0)  # a random tiny model is near uniform: temperature would change little
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 16, (1, 4), generator=generator) for _ in range(8)]
+    settings = {"do_sample": True, "temperature": 1.0, "top_k": 0}
+    reference = sampled(target, prompts, 1.0, 1, new_tokens=64)
+    same = sampled_consistency(target, prompts, reference, sampled(target, prompts, 1.0, 2, new_tokens=64), settings)
+    colder = sampled_consistency(target, prompts, reference, sampled(target, prompts, 0.5, 3, new_tokens=64),
+                                 settings)
+    assert same["consistent"] and same["uniform_p"] > 1e-3, same
+    assert colder["p"] >= 2 / 2**8 and colder["uniform_p"] < 1e-4 and not colder["consistent"], colder
+
+
+def test_the_uniformity_tests_hold_their_level_on_uniform_values_and_reject_skewed_ones():
+    """Under the null Kolmogorov-Smirnov gives p < 0.05 about 5 % of the time, the Bonferroni pair at most that;
+    values skewed low (a power of uniforms) are rejected by both."""
+    generator = torch.Generator().manual_seed(0)
+    nulls = [torch.rand(200, generator=generator, dtype=torch.float64) for _ in range(400)]
+    assert 0.02 < sum(kolmogorov_smirnov_p_value(v) < 0.05 for v in nulls) / len(nulls) < 0.09
+    assert 0.005 < sum(uniformity_p_value(v) < 0.05 for v in nulls) / len(nulls) < 0.07
+    skewed = torch.rand(1000, generator=generator, dtype=torch.float64) ** 1.3
+    assert kolmogorov_smirnov_p_value(skewed) < 1e-6 and uniformity_p_value(skewed) < 1e-6
 
 
 def test_in_bfloat16_a_token_just_outside_the_support_is_rounding_and_in_float32_it_is_outside():

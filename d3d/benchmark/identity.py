@@ -96,31 +96,76 @@ def rounding_allowance(sampling: dict) -> dict:
 
 def sampled_consistency(target, prompts: list[torch.Tensor], reference: list[list[int]], outputs: list[list[int]],
                         sampling: dict) -> dict:
-    """Whether sampled `outputs` look drawn from the same distribution as the target's own sampled `reference`: every
-    token inside the sampling support (in low precision, its `rounding_allowance`: float32 checks it exactly), and
-    the mean log-probability of their tokens under the target not above or below the reference's by a paired
-    sign-flip test over prompts (`p` >= 1e-4; `z`, the paired difference of the per-prompt means over its standard
-    error, is reported beside it). The unit is the prompt, not the token (a sequence's
-    tokens depend on each other: one that falls into a loop has every token likely). A distribution check, not
-    token identity."""
-    differences, outside = [], 0
-    support = sampling if checks_exactly(target) else rounding_allowance(sampling)
+    """Whether sampled `outputs` look drawn from the target's distribution, by three tests, each of which must pass:
+    every token inside the sampling support (in low precision, its `rounding_allowance`: float32 checks it exactly);
+    the tokens' randomised probability integral transforms uniform (`uniformity_p_value`, `uniform_p` >= 1e-4: each
+    token's value is uniform given the tokens before it, so the values of all tokens of all prompts are independent
+    uniforms, a test that bites at a few prompts); and the mean log-probability of their tokens under the target not
+    above or below that of the target's own `reference` draws by a paired sign-flip test over prompts (`p` >= 1e-4,
+    from 14 prompts on; `z`, the paired difference of the per-prompt means over its standard error, beside it). A
+    distribution check, not token identity."""
+    differences, outside, transforms = [], 0, []
+    exact = checks_exactly(target)
+    generator = torch.Generator().manual_seed(0)  # the transforms' own draws: the same check every run
     for prompt, expected, got in zip(prompts, reference, outputs):
         means = []
         for name, tokens in (("reference", expected), ("outputs", got)):
             if not tokens:
                 continue
-            probabilities = output_probabilities(target, prompt, tokens, support)
-            chosen = probabilities[torch.arange(len(tokens)), torch.tensor(tokens, device=probabilities.device)]
-            outside += int((chosen == 0).sum()) if name == "outputs" else 0
-            means.append(float(chosen.clamp(min=1e-30).log().mean()))
+            index = torch.arange(len(tokens)), torch.tensor(tokens)
+            probabilities = output_probabilities(target, prompt, tokens, sampling).cpu().double()
+            support = probabilities if exact else output_probabilities(
+                target, prompt, tokens, rounding_allowance(sampling)).cpu().double()
+            outside += int((support[index] == 0).sum()) if name == "outputs" else 0
+            means.append(float(support[index].clamp(min=1e-30).log().mean()))
+            if name == "outputs":
+                transforms.append(probability_transforms(probabilities, index[1], generator))
         if len(means) == 2:
             differences.append(means[1] - means[0])
     d = torch.tensor(differences, dtype=torch.float64)
     error = float(d.std() / len(d) ** 0.5) if len(d) > 1 else float("inf")
     z = float(d.mean()) / error if 0 < error < float("inf") else 0.0
     p = sign_flip_p_value(d)
-    return {"z": z, "p": p, "outside_support": outside, "consistent": outside == 0 and p >= 1e-4}
+    uniform_p = uniformity_p_value(torch.cat(transforms)) if transforms else 1.0
+    return {"z": z, "p": p, "uniform_p": uniform_p, "outside_support": outside,
+            "consistent": outside == 0 and p >= 1e-4 and uniform_p >= 1e-4}
+
+
+def probability_transforms(probabilities: torch.Tensor, tokens: torch.Tensor, generator: torch.Generator
+                           ) -> torch.Tensor:
+    """The randomised probability integral transform `(n,)` of each token `tokens[i]` under its distribution
+    `probabilities[i]` `(n, vocab)`, the vocabulary ranked likeliest first (ties by id): the mass ranked before the
+    token plus a uniform share of its own. Uniform on [0, 1] when the token is drawn from that distribution; draws
+    that favour likely tokens (too cold) fall low, draws that favour unlikely ones high."""
+    chosen = probabilities.gather(1, tokens[:, None])
+    ids = torch.arange(probabilities.shape[1])
+    before = (probabilities > chosen) | ((probabilities == chosen) & (ids < tokens[:, None]))
+    shares = torch.rand(len(tokens), generator=generator, dtype=probabilities.dtype)
+    return (probabilities * before).sum(-1) + shares * chosen[:, 0]
+
+
+def uniformity_p_value(values: torch.Tensor) -> float:
+    """Whether `values` `(n,)` look uniform on [0, 1]: two tests, Bonferroni-combined: their mean against 1/2 (a
+    shift: draws too cold or too hot) and Kolmogorov-Smirnov (any other difference)."""
+    n = values.numel()
+    z = (float(values.double().mean()) - 0.5) * (12 * n) ** 0.5
+    shift = float(torch.special.erfc(torch.tensor(abs(z) / 2**0.5, dtype=torch.float64)))
+    return min(1.0, 2 * min(shift, kolmogorov_smirnov_p_value(values)))
+
+
+def kolmogorov_smirnov_p_value(values: torch.Tensor, terms: int = 100) -> float:
+    """Kolmogorov-Smirnov test of `values` `(n,)` against the uniform distribution on [0, 1]: the asymptotic p-value
+    of the statistic with Stephens' small-sample correction (accurate to about 1 % from n = 5)."""
+    n = values.numel()
+    ordered = values.double().sort().values
+    ranks = torch.arange(1, n + 1, dtype=torch.float64)
+    statistic = float(torch.maximum(ranks / n - ordered, ordered - (ranks - 1) / n).max())
+    scaled = (n ** 0.5 + 0.12 + 0.11 / n ** 0.5) * statistic
+    if scaled < 0.2:  # the tail is 1 to within 1e-20 there, where the alternating series converges slowly
+        return 1.0
+    k = torch.arange(1, terms + 1, dtype=torch.float64)
+    tail = 2 * float(((-1) ** (k - 1) * torch.exp(-2 * k**2 * scaled**2)).sum())
+    return min(max(tail, 0.0), 1.0)
 
 
 def sign_flip_p_value(differences: torch.Tensor, draws: int = 1 << 16) -> float:
@@ -159,4 +204,4 @@ def ceiling_tau(target, prompts: list[torch.Tensor], outputs: list[list[int]], b
 
 __all__ = ["CANDIDATES", "NEAR_TIE", "ceiling_tau", "checks_exactly", "classify", "output_probabilities",
            "rounding_allowance", "sampled_consistency", "sampling_processors", "sign_flip_p_value", "top2_in_float32",
-           "top2_margin"]
+           "kolmogorov_smirnov_p_value", "probability_transforms", "top2_margin", "uniformity_p_value"]

@@ -47,7 +47,8 @@ def _identical(row: dict, prompts: int) -> str:
     """`yes` when every output equals the target's; `near-ties (7/8)` when the others differ only at near-ties of
     the target's own logits (low precision, see `d3d.benchmark.identity`); else how many did (`NO (17/20)`)."""
     if "z" in row:  # sampled: a distribution check (`identity.sampled_consistency`)
-        return f"{'yes' if row['lossless'] else 'NO'} (z {row['z']:+.1f})"
+        uniform = f", u {row['uniform_p']:.2g}" if "uniform_p" in row else ""
+        return f"{'yes' if row['lossless'] else 'NO'} (z {row['z']:+.1f}{uniform})"
     if row["lossless"]:
         return "yes"
     if row.get("divergences") == 0:
