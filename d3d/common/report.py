@@ -105,9 +105,10 @@ def markdown(results: dict) -> str:
         if results.get("sampling"):
             allowance = "" if results.get("identity") == "exact" else (
                 " (in low precision up to rounding: top-k + 1, top-p + 1/32)")
-            lines.append(f"\nLossless (sampled): every token inside the sampling support{allowance} and the mean "
-                         "log-probability of the tokens under the target consistent with the target's own draws "
-                         "(paired sign-flip test over prompts, p >= 1e-4; z beside it).")
+            lines.append(f"\nLossless (sampled): every token inside the sampling support{allowance}, the tokens' "
+                         "probability integral transforms under the target uniform (mean and Kolmogorov-Smirnov, "
+                         "u = p >= 1e-4) and the mean log-probability of the tokens under the target consistent with "
+                         "the target's own draws (paired sign-flip test over prompts, p >= 1e-4; z beside it).")
         elif "identity" in results:
             lines.append(f"\nLossless: {IDENTITY[results['identity']]}")
         compiled = [f"{row['method']} {row['warmup_seconds']:.1f} s ({row.get('compilations', 0)} compiles after it)"
