@@ -9,12 +9,11 @@ import pytest
 import torch
 
 from conftest import left_pad, tiny_target
-from modeling_d3d import D3DForBlockDiffusion, RoundRecord
+from modeling_d3d import D3DForBlockDiffusion, RoundRecord, passes_d3d
 from modeling_d3d.caches_d3d import StaticKVCache
 from modeling_d3d.generation_d3d import speculative_generate
 from modeling_d3d.passes_d3d import (PASS_KINDS, CompiledPasses, PassLayout, compiled_passes, prefill,
                                      release_compiled_passes, run_pass)
-from modeling_d3d import passes_d3d
 from modeling_d3d.shapes_d3d import COMPILE_LENGTH_BUCKET, attended_columns, engine_size
 from modeling_d3d.successor_d3d import successor_pass
 from policies import EveryChoice

@@ -72,14 +72,25 @@ def sampling_processors(sampling: dict) -> LogitsProcessorList:
 
 
 @torch.no_grad()
+def output_logits(target, prompt: torch.Tensor, output: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward of the target over `prompt` `(1, L)` and `output`: the ids `(1, L + n)` and the float32 logits
+    `(n, vocab)` that predict each token of `output`."""
+    ids = torch.cat([prompt[0].cpu(), torch.tensor(output, dtype=torch.long)])[None].to(target.device)
+    return ids, target(ids).logits[0, prompt.shape[1] - 1 : -1].float()
+
+
+def processed_probabilities(ids: torch.Tensor, logits: torch.Tensor, sampling: dict) -> torch.Tensor:
+    """`output_logits`' logits `(n, vocab)` processed as sampling with `sampling` does, each with its context (the
+    ids before its token), as probabilities `(n, vocab)`."""
+    processors, start = sampling_processors(sampling), ids.shape[1] - logits.shape[0]
+    rows = [processors(ids[:, : start + j], logits[j : j + 1]) for j in range(logits.shape[0])]
+    return torch.cat(rows).softmax(-1) if rows else logits.new_zeros(0, logits.shape[-1])
+
+
 def output_probabilities(target, prompt: torch.Tensor, output: list[int], sampling: dict) -> torch.Tensor:
     """The target's processed next-token probabilities `(len(output), vocab)` at each token of `output` after
     `prompt` `(1, L)` (what sampling with `sampling` draws each token from)."""
-    ids = torch.cat([prompt[0].cpu(), torch.tensor(output, dtype=torch.long)])[None].to(target.device)
-    logits = target(ids).logits[0, prompt.shape[1] - 1 : -1].float()
-    processors = sampling_processors(sampling)
-    rows = [processors(ids[:, : prompt.shape[1] + j], logits[j : j + 1]) for j in range(len(output))]
-    return torch.cat(rows).softmax(-1) if rows else logits.new_zeros(0, logits.shape[-1])
+    return processed_probabilities(*output_logits(target, prompt, output), sampling)
 
 
 def rounding_allowance(sampling: dict) -> dict:
@@ -113,12 +124,13 @@ def sampled_consistency(target, prompts: list[torch.Tensor], reference: list[lis
             if not tokens:
                 continue
             index = torch.arange(len(tokens)), torch.tensor(tokens)
-            probabilities = output_probabilities(target, prompt, tokens, sampling).cpu().double()
-            support = probabilities if exact else output_probabilities(
-                target, prompt, tokens, rounding_allowance(sampling)).cpu().double()
+            ids, logits = output_logits(target, prompt, tokens)
+            support = processed_probabilities(ids, logits, sampling if exact else rounding_allowance(sampling))
+            support = support.cpu().double()
             outside += int((support[index] == 0).sum()) if name == "outputs" else 0
             means.append(float(support[index].clamp(min=1e-30).log().mean()))
-            if name == "outputs":
+            if name == "outputs":  # the transforms under the exact distribution (in low precision the support is wider)
+                probabilities = support if exact else processed_probabilities(ids, logits, sampling).cpu().double()
                 transforms.append(probability_transforms(probabilities, index[1], generator))
         if len(means) == 2:
             differences.append(means[1] - means[0])
@@ -202,6 +214,7 @@ def ceiling_tau(target, prompts: list[torch.Tensor], outputs: list[list[int]], b
     return sum(gains) / len(gains) if gains else float("nan")
 
 
-__all__ = ["CANDIDATES", "NEAR_TIE", "ceiling_tau", "checks_exactly", "classify", "output_probabilities",
+__all__ = ["CANDIDATES", "NEAR_TIE", "ceiling_tau", "checks_exactly", "classify", "kolmogorov_smirnov_p_value",
+           "output_logits", "output_probabilities", "probability_transforms", "processed_probabilities",
            "rounding_allowance", "sampled_consistency", "sampling_processors", "sign_flip_p_value", "top2_in_float32",
-           "kolmogorov_smirnov_p_value", "probability_transforms", "top2_margin", "uniformity_p_value"]
+           "top2_margin", "uniformity_p_value"]
