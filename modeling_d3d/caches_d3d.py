@@ -103,6 +103,17 @@ class StaticKVCache:
             for layer in buffers:
                 layer[to_slot, :, :length] = layer[from_slot, :, :length]
 
+    def move_columns(self, slot: int, source: int, target: int, count: int) -> None:
+        """Copy columns `source..source+count-1` of slot `slot` to `target..` (`target + count <= source`: a tree's
+        second branch, kept, moved to the columns of its positions before they are committed)."""
+        if count <= 0:
+            return
+        if target + count > source:
+            raise RuntimeError(f"Moving columns {source}.. to {target}.. would overlap")
+        for buffers in (self.keys, self.values):
+            for layer in buffers:
+                layer[slot, :, target : target + count] = layer[slot, :, source : source + count]
+
 
 def cache_key(config, slots: int, capacity: int, device, dtype: torch.dtype) -> tuple:
     """What makes two caches interchangeable: geometry, device, dtype, and whether they are made (now) under

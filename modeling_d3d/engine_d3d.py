@@ -29,7 +29,7 @@ from .lookup_d3d import LookupSource
 from .masking_d3d import ENGINE_ATTENTION
 from .network_d3d import check_vocabulary
 from .passes_d3d import CompiledPasses, PassLayout, compiled_passes, prefill, run_pass
-from .policy_d3d import BLOCK, NOTHING, RoundPlan, VerifyPolicy, apply_plan
+from .policy_d3d import BLOCK, BOTH, LOOKUP, NOTHING, RoundPlan, VerifyPolicy, apply_plan, tree_width
 from .sources_d3d import DrafterSource, DraftTiming, Proposal
 from .streams_d3d import Clock, seconds, synchronize
 
@@ -94,7 +94,8 @@ class Row:
 class RoundOutcome:
     """What one round did to one row: the tokens it added, how many of them were accepted drafts (the rest is the
     target's own token), whether they came from a prepared branch, whether the row finished, or the error that ended
-    it."""
+    it; verified: what the row verified (`policy_d3d`: nothing, the drafter's block, a lookup, or both); branch: of
+    both, the one whose drafts it kept (`BLOCK` or `LOOKUP`), and what each matched (`branches`)."""
 
     key: Hashable
     added: list[int]
@@ -103,6 +104,8 @@ class RoundOutcome:
     from_branch: bool = False
     error: BaseException | None = None
     verified: str = BLOCK
+    branch: str | None = None
+    branches: tuple[int, int] | None = None
 
 
 @dataclass
@@ -127,7 +130,7 @@ class RoundRecord:
     """The only round record: totals over every round of an engine, and the latest rounds (bounded, for servers).
 
     rounds: engine rounds; row_rounds: rounds summed over rows; new_tokens; accepted[n]: row rounds that added n
-    tokens; verified[kind]: row rounds that verified nothing, the drafter's block or a lookup (`policy_d3d`);
+    tokens; verified[kind]: row rounds that verified nothing, the drafter's block, a lookup or both (`policy_d3d`);
     lookups / branch_hits: rows that searched prepared branches / were served by one; seconds: verify,
     exposed and hidden drafting, host, and prefill; compilations: graphs PyTorch compiled during the rounds (the
     delta of `torch._dynamo.utils.counters["stats"]["unique_graphs"]`, process-wide: another thread's compiles
@@ -246,11 +249,14 @@ class SpeculativeEngine:
         self.target, self.source, self.lookup = target, source, lookup
         self.width = next((s.block_size for s in (source, lookup) if s is not None), 1)
         self.policy = policy if policy is not None or lookup is None else VerifyPolicy(self.width)
+        # greedy rows may verify the drafter's block and a lookup in one pass (`policy_d3d.BOTH`)
+        self.trees = source is not None and lookup is not None and self.policy is not None
         self.max_rows, self.max_length = max_rows, max_length
         self.device = target.get_input_embeddings().weight.device
         self.passes = passes if passes is not None or not compile else compiled_passes(target)
         self.forward = self.passes.forward("verify") if self.passes is not None else None
-        shape = (target.config, max_rows, max_length + self.width, self.device, target.dtype)
+        shape = (target.config, max_rows, max_length + (tree_width(self.width) if self.trees else self.width),
+                 self.device, target.dtype)
         self.cache = self.passes.caches.take(*shape) if self.passes is not None else StaticKVCache(*shape)
         for each in (source, lookup):
             if each is not None:
@@ -334,16 +340,16 @@ class SpeculativeEngine:
         graphs_before = compiled_graphs()
         keys = [id(row) for row in self.rows]  # the policy's keys: rows of engines sharing it never mix
         contexts = [row.drafter_context for row in self.rows]  # before the round
-        # 1. plan: what each row verifies (nothing, the drafter's block, a lookup continuation)
+        # 1. plan: what each row verifies (nothing, the drafter's block, a lookup continuation, or both)
         lookups = self.lookup.propose(contexts) if self.lookup is not None else [[] for _ in keys]
         plan = self.plan(keys, lookups)
         # 2. propose: the drafter's block for every row when any row verifies one, then the plan applied
         proposal = None
         if plan.drafter:
             proposal = self.source.propose(contexts, [row.sampling for row in self.rows])
-        proposal = apply_plan(plan, proposal, lookups, self.target.config.get_text_config().vocab_size,
-                              any(row.settings.do_sample for row in self.rows), self.device)
-        # 3. verify: ONE target pass over every row's [anchor, drafts]
+        plan, proposal = apply_plan(plan, proposal, lookups, self.target.config.get_text_config().vocab_size,
+                                    any(row.settings.do_sample for row in self.rows), self.device)
+        # 3. verify: ONE target pass over every row's [anchor, drafts] (and a tree's second branch)
         verify_start = self.clock.mark()
         logits = self.verify(proposal, plan.width)
         verify_end = self.clock.mark()
@@ -357,7 +363,8 @@ class SpeculativeEngine:
         # exposed: the target's stream waited for the drafts before verifying, then for the worker
         exposed = (seconds(start, verify_start) if proposal is not None else 0.0) + drafting.exposed
         if self.policy is not None:
-            self.policy.observe(keys, plan, [outcome.accepted_drafts for outcome in outcomes], verify_seconds, exposed)
+            self.policy.observe(keys, plan, [outcome.accepted_drafts for outcome in outcomes], verify_seconds, exposed,
+                                [outcome.branches for outcome in outcomes])
         # 8. finished and failed rows leave
         self._keep([i for i, outcome in enumerate(outcomes) if not outcome.finished])
         total = time.perf_counter() - start.host
@@ -381,31 +388,41 @@ class SpeculativeEngine:
         """What this round verifies per row: the policy's choice; without a policy, the drafter's block (or nothing,
         the target alone)."""
         if self.policy is not None:
-            return self.policy.plan(keys, lookups, self.source is not None)
+            return self.policy.plan(keys, lookups, self.source is not None,
+                                    [not row.settings.do_sample for row in self.rows], self.trees)
         if self.source is None:
             return RoundPlan([NOTHING] * len(keys), False, 1)
         return RoundPlan([BLOCK] * len(keys), True, self.width)
 
     def verify(self, proposal: Proposal | None, width: int | None = None) -> torch.Tensor:
         """One target pass over `[anchor, drafts]` per row, `width` columns (None: the engine's block; `proposal`
-        None: the drafts' columns zero, as `d3d bench` times the pass): logits `(rows, width, vocab)` float32; the
-        cache gains the columns, committed as far as `step` accepts."""
+        None: the drafts' columns zero, as `d3d bench` times the pass; a tree's width: `[anchor, drafts, second]`,
+        the second branch beside the first, `PassLayout.branched`): logits `(rows, width, vocab)` float32; the cache
+        gains the columns, committed as far as `step` accepts."""
         width = self.width if width is None else width
         ids = torch.zeros(len(self.rows), width, dtype=torch.long)  # the drafts' columns filled on the device
         ids[:, 0] = torch.tensor([row.last_token for row in self.rows], dtype=torch.long)
         starts = torch.tensor(self.cache.committed[: len(self.rows)], dtype=torch.long)
-        return run_pass(self.target, self.cache, PassLayout.causal(ids, starts), width, forward=self.forward,
-                        tail=proposal.drafts if proposal is not None and width > 1 else None)
+        tail = proposal.drafts if proposal is not None and width > 1 else None
+        layout = PassLayout.causal(ids, starts)
+        if width > self.width:
+            layout = PassLayout.branched(ids, starts, self.width)
+            if proposal is not None:
+                tail = torch.cat([proposal.drafts, proposal.second], dim=1)
+        return run_pass(self.target, self.cache, layout, width, forward=self.forward, tail=tail)
 
     def _accept(self, proposal: Proposal | None, logits: torch.Tensor, choices: list[str]) -> list[RoundOutcome]:
-        """Steps 4-6 of a round over the target's logits `(rows, width, vocab)`. Returns the outcomes (a failed
-        row's: no tokens, finished, its error)."""
+        """Steps 4-6 of a round over the target's logits `(rows, width, vocab)` (a tree round's: both branches,
+        `verify`). Returns the outcomes (a failed row's: no tokens, finished, its error)."""
         failed: dict[int, BaseException] = dict(proposal.errors) if proposal is not None else {}
         if proposal is not None:
             drafts, num_drafts = proposal.drafts.to(self.device), proposal.num_drafts.to(self.device)
         else:
             drafts = torch.zeros(len(self.rows), 0, dtype=torch.long, device=self.device)
             num_drafts = torch.zeros(len(self.rows), dtype=torch.long, device=self.device)
+        tree = proposal is not None and proposal.second is not None
+        if tree:  # the second branch follows the same anchor: its logits are column 0's and its own columns
+            logits, second = logits[:, : self.width], torch.cat([logits[:, :1], logits[:, self.width :]], dim=1)
         # 4. process: each row's logits processors over the target's logits (a row whose processors fail leaves)
         logits = self._process(logits, drafts, failed)
         # 5. accept: greedy matching, rejection sampling for sampled rows; then the round's one device-to-host read
@@ -423,7 +440,11 @@ class SpeculativeEngine:
                 accepted[index], tokens[index] = drawn
             else:
                 accepted, tokens = drawn
-        host = torch.cat([accepted[:, None], tokens], dim=1).cpu().tolist()
+        columns = [accepted[:, None], tokens]
+        if tree:  # 5b. a tree's rows (greedy) keep the branch that kept more
+            accepted, tokens, logits, branches = self._better_branch(proposal, second, accepted, tokens, logits, failed)
+            columns = [accepted[:, None], tokens, branches]
+        host = torch.cat(columns, dim=1).cpu().tolist()
         # 6. stop and commit: each row cut where the target alone stops; the target's cache commits what it keeps
         outcomes = []
         for r, row in enumerate(self.rows):
@@ -438,11 +459,34 @@ class SpeculativeEngine:
             if error is not None:
                 outcomes.append(RoundOutcome(row.key, [], True, error=error, verified=choices[r]))
                 continue
+            branch = branches = None
+            if choices[r] == BOTH:
+                took_second, *branches = host[r][-3:]
+                branch = LOOKUP if took_second else BLOCK
+                if took_second:  # its accepted drafts' keys and values go to the columns of their positions
+                    start = self.cache.committed[r]
+                    self.cache.move_columns(r, start + self.width, start + 1, len(added) - 1)
             row.generated += added
             self.cache.commit(r, self.cache.committed[r] + len(added))
-            outcomes.append(RoundOutcome(row.key, added, finished, accepted_drafts=min(host[r][0], len(added)),
-                                         from_branch=proposal is not None and proposal.hits[r], verified=choices[r]))
+            outcomes.append(RoundOutcome(
+                row.key, added, finished, accepted_drafts=min(host[r][0], len(added)),
+                from_branch=proposal is not None and proposal.hits[r] and branch != LOOKUP, verified=choices[r],
+                branch=branch, branches=tuple(branches) if branches else None))
         return outcomes
+
+    def _better_branch(self, proposal: Proposal, second: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor,
+                       logits: torch.Tensor, failed: dict[int, BaseException]) -> tuple[torch.Tensor, ...]:
+        """Each row's better branch of a tree round: the second (`proposal.second`, the target's logits `second`
+        `(rows, B, vocab)`, processed here) where its greedy match keeps more drafts than the first's `accepted`
+        (rows without a second branch keep the first). Returns accepted `(rows,)`, tokens `(rows, B)` and logits
+        `(rows, B, vocab)` of the kept branches, and per row `[took the second, first kept, second kept]`."""
+        drafts = proposal.second.to(self.device)
+        second = self._process(second, drafts, failed)
+        kept, kept_tokens = greedy_accept(drafts, proposal.num_second.to(self.device), second)
+        take = kept > accepted
+        branches = torch.stack([take.long(), accepted, kept], dim=1)
+        return (torch.where(take, kept, accepted), torch.where(take[:, None], kept_tokens, tokens),
+                torch.where(take[:, None, None], second, logits), branches)
 
     def _process(self, logits: torch.Tensor, drafts: torch.Tensor, failed: dict[int, BaseException]) -> torch.Tensor:
         """Each row's logits processors over its logits `(width, vocab)`, position j with the row's tokens and the

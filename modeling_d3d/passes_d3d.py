@@ -43,6 +43,19 @@ class PassLayout:
         return cls(ids, positions, positions.clone(), positions + 1, torch.zeros_like(positions),
                    torch.zeros_like(positions))
 
+    @classmethod
+    def branched(cls, ids: torch.Tensor, starts: torch.Tensor, split: int) -> "PassLayout":
+        """Two branches after one anchor: ids `(rows, width)`, columns `0..split-1` causal from `starts[r]` (the
+        anchor and the first branch), columns `split..` a second branch at the positions after the anchor, written
+        after the first and seeing the prefix, the anchor and its own tokens before it (not the first branch)."""
+        layout = cls.causal(ids, starts)
+        second = torch.arange(ids.shape[1] - split)
+        layout.positions[:, split:] = starts[:, None] + 1 + second
+        layout.prefix_end[:, split:] = starts[:, None] + 1
+        layout.own_start[:, split:] = starts[:, None] + split
+        layout.own_end[:, split:] = starts[:, None] + split + 1 + second
+        return layout
+
     def padded(self, rows: int) -> "PassLayout":
         """This layout with rows added up to `rows` (fixed shapes): each added row writes its input columns to the
         same cache columns of its (unused) slot and sees only itself."""

@@ -1,18 +1,23 @@
-"""The one chooser: per row and round, what a round verifies: nothing (a plain target step), the drafter's block, or
-a lookup continuation (`lookup_d3d`).
+"""The one chooser: per row and round, what a round verifies: nothing (a plain target step), the drafter's block, a
+lookup continuation (`lookup_d3d`), or both (a two-branch tree: the block and the lookup continuation each follow the
+anchor, and the row keeps the branch that keeps more; greedy rows only).
 
-A round's cost is shared by its rows: one target pass, 1 column wide when no row verifies drafts, else `B` wide,
-plus one drafter pass when any row verifies the drafter's block. `VerifyPolicy.plan` picks, before the round, the
-kind of round with the most expected tokens per second (`RoundPlan`): expected tokens from each row's acceptance so
-far (accepted drafts per round, for the drafter's blocks and for lookups, smoothed), seconds from the rounds this
-engine has run (smoothed, per batch size; a cost not measured yet is taken as the cheapest it can be, so the round
-that measures it is tried). A row that has not verified the drafter's block for `probe_every` rounds verifies it
-again (its acceptance may have changed), and likewise a lookup it found, so an engine never stops learning.
+A round's cost is shared by its rows: one target pass, 1 column wide when no row verifies drafts, `B` wide when rows
+verify one proposal each, `2B - 1` wide (`tree_width`) when any row verifies both, plus one drafter pass when any
+row verifies the drafter's block. `VerifyPolicy.plan` picks, before the round, the kind of round with the most
+expected tokens per second (`RoundPlan`): expected tokens from each row's acceptance so far (accepted drafts per
+round, for the drafter's blocks and for lookups, smoothed; for both, the better of the two plus what trees kept
+beyond the branch expected to keep more, pooled over rows), seconds from the rounds this engine has run (smoothed,
+per batch size; a cost not measured yet, or only by its first pass (a warm-up), is taken as the cheapest it can be,
+so the round that measures it is tried). A row that has not verified the drafter's block for `probe_every` rounds
+verifies it again (its acceptance may have changed), and likewise a lookup it found, so an engine never stops
+learning.
 
 Lossless whatever it decides: the decision reads past rounds and the proposals' own contents (lookup drafts are a
 function of the text), never the target's logits of this round nor the drafter's sampled tokens (which would change
-which draws are verified, and so their distribution). `tests/test_policy_d3d.py` shows a chooser that peeks failing
-the χ² test.
+which draws are verified, and so their distribution). A tree is dropped for a row when one branch's drafts begin
+with the other's (`untangled`: a function of the drafts, which are the argmax for the greedy rows that verify trees).
+`tests/test_policy_d3d.py` shows a chooser that peeks failing the χ² test.
 """
 
 from dataclasses import dataclass, field
@@ -22,14 +27,16 @@ import torch
 from .lookup_d3d import LookupSource, one_hot_logits
 from .sources_d3d import Proposal
 
-NOTHING, BLOCK, LOOKUP = "nothing", "block", "lookup"
+NOTHING, BLOCK, LOOKUP, BOTH = "nothing", "block", "lookup", "both"
 OUTLIER = 2.0  # a measured pass above this many times its estimate is counted as this many (see `_measure`)
+WARM_UP_PASSES = 1  # the first passes of a kind at a batch size, whose one-time costs are not its cost (`_measure`)
 
 
 @dataclass
 class RoundPlan:
-    """What one round verifies: `choices[r]` per row (`NOTHING`, `BLOCK`, `LOOKUP`); `drafter`: whether the
-    drafter's pass runs; `width`: the verify pass's columns (1, or `B` when any row verifies drafts)."""
+    """What one round verifies: `choices[r]` per row (`NOTHING`, `BLOCK`, `LOOKUP`, `BOTH`); `drafter`: whether the
+    drafter's pass runs; `width`: the verify pass's columns (1; `B` when any row verifies drafts; `tree_width(B)`
+    when any row verifies both)."""
 
     choices: list[str]
     drafter: bool
@@ -53,13 +60,13 @@ class VerifyPolicy:
     the weight of the newest observation in every average; probe_every: rounds a row may go without verifying the
     drafter's block, or a lookup it found (each doubled after a probe of its kind that kept nothing, up to 8x, and
     reset by one that kept a draft: `interval`, `lookup_interval`);
-    costs: seconds per kind of pass (`"narrow"`, `"wide"`, `"drafter"`) to use instead of measured ones (then
+    costs: seconds per kind of pass (`"narrow"`, `"wide"`, `"tree"`, `"drafter"`) to use instead of measured ones (then
     decisions do not depend on timing: reproducible rounds); pooling: the weight of the drafter's pooled acceptance
     (`priors`: the mean over every row and round, its start counted as one round, moving by at least
     `pool_smoothing` a round once many were seen) in a row's expected drafts from its block, the rest its own
     average (a row's few latest rounds say little: a hard stretch of text does not make a good drafter worth
-    skipping). What it learns (costs; `priors`, where new rows start) carries over from call to call when it is kept
-    (`policy_for`)."""
+    skipping; `priors[BOTH]`: the drafts a tree kept beyond the branch expected to keep more, pooled the same way). What
+    it learns (costs; `priors`, where new rows start) carries over from call to call when it is kept (`policy_for`)."""
 
     block_size: int
     smoothing: float = 0.25
@@ -68,6 +75,7 @@ class VerifyPolicy:
     pooling: float = 0.5
     pool_smoothing: float = 0.03
     measured: dict[tuple[str, int], float] = field(default_factory=dict)
+    pass_counts: dict[tuple[str, int], int] = field(default_factory=dict)
     history: dict = field(default_factory=dict)
     priors: dict[str, float] = field(default_factory=dict)
     pooled_rounds: dict[str, int] = field(default_factory=dict)
@@ -82,28 +90,36 @@ class VerifyPolicy:
                              f"{self.pool_smoothing!r}")
         if isinstance(self.probe_every, bool) or not isinstance(self.probe_every, int) or self.probe_every < 1:
             raise ValueError(f"probe_every must be an integer >= 1, got {self.probe_every!r}")
-        self.priors = self.priors or {BLOCK: (self.block_size - 1) / 2, LOOKUP: (self.block_size - 1) / 2}
+        self.priors = self.priors or {BLOCK: (self.block_size - 1) / 2, LOOKUP: (self.block_size - 1) / 2, BOTH: 1.0}
         self.interval = self.interval or self.probe_every
         self.lookup_interval = self.lookup_interval or self.probe_every
 
     def cost(self, kind: str, rows: int) -> float:
         """Seconds of a pass of `kind` over `rows` rows: given, measured, or (not measured yet) the cheapest it can
-        be: a narrow pass and a drafter pass free, a wide pass as a narrow one. So the first round at a batch size
-        is a plain step, which measures the narrow pass (were it priced as a wide one, a drafter that keeps a few
-        tokens would win every round and the narrow pass never be measured, however dear wide rounds are: at 16
-        rows on a CPU they cost 4-5 narrow ones). A narrow pass never counts as dearer than a wide one: a slow narrow
-        round (a pause of the process) would otherwise make every round draft."""
+        be: a narrow pass and a drafter pass free, a wide pass as a narrow one, a tree as a wide one. So the first
+        round at a batch size is a plain step, which measures the narrow pass (were it priced as a wide one, a
+        drafter that keeps a few tokens would win every round and the narrow pass never be measured, however dear
+        wide rounds are: at 16 rows on a CPU they cost 4-5 narrow ones). A kind's first pass at a batch size is a
+        warm-up (`_measure`): until its second, the kind counts as not measured. A narrow pass never counts as
+        dearer than a wide one: a slow narrow round (a pause of the process) would otherwise make every round
+        draft."""
         if self.costs is not None:
             return self.costs[kind]
         if kind == "narrow":
-            if ("narrow", rows) not in self.measured:
+            if not self._known("narrow", rows):
                 return 0.0
-            return min(self.measured[(k, rows)] for k in ("narrow", "wide") if (k, rows) in self.measured)
-        if (kind, rows) in self.measured:
+            return min(self.measured[(k, rows)] for k in ("narrow", "wide") if self._known(k, rows))
+        if self._known(kind, rows):
             return self.measured[(kind, rows)]
         if kind == "wide":
-            return self.measured.get(("narrow", rows), 1.0)
+            return self.measured[("narrow", rows)] if self._known("narrow", rows) else 1.0
+        if kind == "tree":
+            return self.cost("wide", rows)
         return 0.0
+
+    def _known(self, kind: str, rows: int) -> bool:
+        """Whether passes of `kind` at `rows` were measured past their warm-up."""
+        return self.pass_counts.get((kind, rows), 0) > WARM_UP_PASSES
 
     def row(self, key) -> RowHistory:
         """`key`'s history; a new row starts from the priors (at first optimistic: half a block accepted)."""
@@ -111,14 +127,20 @@ class VerifyPolicy:
             self.history[key] = RowHistory(block=self.priors[BLOCK], lookup=self.priors[LOOKUP])
         return self.history[key]
 
-    def plan(self, keys: list, lookups: list[list[int]], drafter: bool) -> RoundPlan:
+    def expected_block(self, history: RowHistory) -> float:
+        """The drafts a row with `history` is expected to keep from the drafter's block: its own average and the
+        pooled one, weighted by `pooling`."""
+        return (1 - self.pooling) * history.block + self.pooling * self.priors[BLOCK]
+
+    def plan(self, keys: list, lookups: list[list[int]], drafter: bool, greedy: list[bool] | None = None,
+             trees: bool = False) -> RoundPlan:
         """The round for rows `keys` with lookup continuations `lookups` (empty: none found); `drafter`: whether
-        the engine has a drafter source."""
+        the engine has a drafter source; `greedy`: per row, whether it decodes greedily; `trees`: whether the engine
+        verifies both proposals of a greedy row in one pass (`BOTH`)."""
         rows = len(keys)
         history = [self.row(key) for key in keys]
         lookup_gain = [min(h.lookup, len(found)) if found else 0.0 for h, found in zip(history, lookups)]
-        pooled = self.pooling * self.priors[BLOCK]
-        block_gain = [(1 - self.pooling) * h.block + pooled if drafter else 0.0 for h in history]
+        block_gain = [self.expected_block(h) if drafter else 0.0 for h in history]
         narrow, wide = self.cost("narrow", rows), self.cost("wide", rows)
         options = [(rate(rows, narrow), 0, [NOTHING] * rows)]
         if any(lookups):
@@ -129,26 +151,48 @@ class VerifyPolicy:
             choices = [LOOKUP if g > b else BLOCK for b, g in zip(block_gain, lookup_gain)]
             drafting = self.cost("drafter", rows) if BLOCK in choices else 0.0
             options.append((rate(rows + sum(gains), wide + drafting), 2, choices))
+            branched = [trees and bool(found) and g for found, g in zip(lookups, greedy or [False] * rows)]
+            if any(branched):  # a tree for every greedy row with a lookup: the better branch, and a bit more
+                tree_gains = [gain + self.priors[BOTH] if b else gain for gain, b in zip(gains, branched)]
+                tree = self.cost("tree", rows) + self.cost("drafter", rows)
+                options.append((rate(rows + sum(tree_gains), tree), 3,
+                                [BOTH if b else choice for b, choice in zip(branched, choices)]))
             probes = [h.since_block >= self.interval for h in history]
-            if any(probes):
-                options = [(0.0, 3, [BLOCK if probe else choice for probe, choice in zip(probes, choices)])]
+            if any(probes):  # the best round that drafts, with every probing row verifying the drafter's block
+                _, _, best = max((option for option in options if option[1] >= 2), key=lambda option: option[:2])
+                options = [(0.0, 4, [BLOCK if probe and choice != BOTH else choice
+                                     for probe, choice in zip(probes, best)])]
         _, _, choices = max(options, key=lambda option: option[:2])
         # a row that found a continuation but has not verified one for `lookup_interval` rounds verifies it (its
         # estimate, learnt only from verified lookups, would otherwise never come back up)
         choices = [LOOKUP if found and choice == NOTHING and h.since_lookup >= self.lookup_interval else choice
                    for choice, found, h in zip(choices, lookups, history)]
-        verifies = any(choice != NOTHING for choice in choices)
-        return RoundPlan(choices, BLOCK in choices, self.block_size if verifies else 1)
+        return self.round_of(choices)
+
+    def round_of(self, choices: list[str]) -> RoundPlan:
+        """The `RoundPlan` of per-row `choices`: its drafter pass and verify width."""
+        width = (tree_width(self.block_size) if BOTH in choices else self.block_size
+                 if any(choice != NOTHING for choice in choices) else 1)
+        return RoundPlan(choices, BLOCK in choices or BOTH in choices, width)
 
     def observe(self, keys: list, plan: RoundPlan, accepted_drafts: list[int], verify_seconds: float,
-                drafter_seconds: float) -> None:
-        """What the round of `plan` kept per row (`accepted_drafts`, for rows that went on) and what its passes cost."""
+                drafter_seconds: float, branches: list[tuple[int, int] | None] | None = None) -> None:
+        """What the round of `plan` kept per row (`accepted_drafts`, for rows that went on; `branches[r]`: what a
+        `BOTH` row's block and lookup each matched) and what its passes cost."""
         rows, rate = len(keys), self.smoothing
-        self._measure("wide" if plan.width > 1 else "narrow", rows, verify_seconds)
+        self._measure({1: "narrow", self.block_size: "wide"}.get(plan.width, "tree"), rows, verify_seconds)
         if plan.drafter:
             self._measure("drafter", rows, drafter_seconds)
-        for key, choice, accepted in zip(keys, plan.choices, accepted_drafts):
+        for key, choice, accepted, both in zip(keys, plan.choices, accepted_drafts, branches or [None] * rows):
             history = self.row(key)
+            if choice == BOTH and both is not None:  # both verified: each kind learns, the pool what a tree adds
+                # over the one branch this row would have verified alone (the one expected to keep more)
+                self._pool(BOTH, max(both) - (both[0] if self.expected_block(history) >= history.lookup else both[1]))
+                for kind, kept in zip((BLOCK, LOOKUP), both):
+                    setattr(history, kind, getattr(history, kind) + rate * (kept - getattr(history, kind)))
+                    self._pool(kind, kept)
+                history.since_block = history.since_lookup = 0
+                continue
             if choice == BLOCK and history.since_block >= self.interval:  # a probe: back off while they keep nothing
                 self.interval = self._backoff(self.interval, accepted)
             if choice == LOOKUP and history.since_lookup >= self.lookup_interval:  # a lookup probe: the same
@@ -156,10 +200,14 @@ class VerifyPolicy:
             history.since_block = 0 if choice == BLOCK else history.since_block + 1
             history.since_lookup = 0 if choice == LOOKUP else history.since_lookup + 1
             if choice in (BLOCK, LOOKUP):
-                kind = BLOCK if choice == BLOCK else LOOKUP
-                setattr(history, kind, getattr(history, kind) + rate * (accepted - getattr(history, kind)))
-                seen = self.pooled_rounds[kind] = self.pooled_rounds.get(kind, 0) + 1
-                self.priors[kind] += max(self.pool_smoothing, 1 / (seen + 1)) * (accepted - self.priors[kind])
+                setattr(history, choice, getattr(history, choice) + rate * (accepted - getattr(history, choice)))
+                self._pool(choice, accepted)
+
+    def _pool(self, kind: str, observed: float) -> None:
+        """Move the pooled `priors[kind]` towards `observed` (the mean over every round of that kind so far, at
+        least by `pool_smoothing`)."""
+        seen = self.pooled_rounds[kind] = self.pooled_rounds.get(kind, 0) + 1
+        self.priors[kind] += max(self.pool_smoothing, 1 / (seen + 1)) * (observed - self.priors[kind])
 
     def _backoff(self, interval: int, accepted: int) -> int:
         """The rounds before the next probe of a kind after a probe that kept `accepted` drafts: back to
@@ -173,11 +221,19 @@ class VerifyPolicy:
     def _measure(self, kind: str, rows: int, seconds: float) -> None:
         """Smooth `seconds` into the cost of `kind` at `rows`; a round above `OUTLIER` times the estimate counts as
         that much (a pause of the process, another program's burst: a cost the policy stops measuring once it skips
-        that pass must not jump on one slow round)."""
+        that pass must not jump on one slow round). The first `WARM_UP_PASSES` of a kind at a batch size pay one-time
+        costs (a compile, the first use of kernels and buffers; seconds where a pass takes milliseconds): the pass
+        after them replaces what they measured."""
+        count = self.pass_counts[(kind, rows)] = self.pass_counts.get((kind, rows), 0) + 1
         old = self.measured.get((kind, rows))
-        if old is not None:
+        if old is not None and count > WARM_UP_PASSES + 1:
             seconds = old + self.smoothing * (min(seconds, OUTLIER * old) - old)
         self.measured[(kind, rows)] = seconds
+
+
+def tree_width(block_size: int) -> int:
+    """Columns of a verify pass over two branches: the anchor, then `B - 1` drafts of each."""
+    return 2 * block_size - 1
 
 
 def rate(tokens: float, seconds: float) -> float:
@@ -227,15 +283,20 @@ def make_chooser(lookup, policy, block_size: int | None, holder=None,
 
 
 def apply_plan(plan: RoundPlan, proposal: Proposal | None, lookups: list[list[int]], vocab_size: int,
-               sampled: bool, device: torch.device) -> Proposal | None:
+               sampled: bool, device: torch.device) -> tuple[RoundPlan, Proposal | None]:
     """The round's proposal as `plan` says: the drafter's `proposal` (None: it did not run) with each `LOOKUP` row's
-    drafts replaced by its lookup continuation (q one-hot) and each `NOTHING` row's drafts dropped; None when the
-    round verifies no drafts (a 1-column pass). sampled: whether any row samples (then q is kept for every row)."""
+    drafts replaced by its lookup continuation (q one-hot), each `NOTHING` row's drafts dropped, and each `BOTH` row's
+    continuation as the second branch (`Proposal.second`), unless one branch's drafts begin with the other's: then the
+    row verifies only the longer (a second branch could keep nothing more). Returns the plan as applied (`B` wide
+    when no tree is left) and the proposal, None when the round verifies no drafts (a 1-column pass). sampled:
+    whether any row samples (then q is kept for every row)."""
+    if BOTH in plan.choices:
+        plan = untangled(plan, proposal, lookups)
     if plan.width == 1:
-        return None
+        return plan, None
     if proposal is not None and all(choice == BLOCK for choice in plan.choices):
-        return proposal
-    rows, width = len(plan.choices), plan.width - 1
+        return plan, proposal
+    rows, width = len(plan.choices), (plan.width - 1) // 2 if BOTH in plan.choices else plan.width - 1
     if proposal is None:
         proposal = Proposal(torch.zeros(rows, width, dtype=torch.long, device=device),
                             torch.zeros(rows, dtype=torch.long, device=device),
@@ -243,17 +304,41 @@ def apply_plan(plan: RoundPlan, proposal: Proposal | None, lookups: list[list[in
                             [False] * rows, [False] * rows)
     drafts, num_drafts = proposal.drafts.clone(), proposal.num_drafts.clone()
     logits = proposal.logits.clone() if proposal.logits is not None else None
+    second = num_second = None
+    if BOTH in plan.choices:
+        second = torch.zeros(rows, width, dtype=torch.long)
+        num_second = torch.zeros(rows, dtype=torch.long)
     for r, (choice, found) in enumerate(zip(plan.choices, lookups)):
         if choice == NOTHING:
             num_drafts[r] = 0
-        elif choice == LOOKUP:
-            tokens = torch.tensor(found + [0] * (width - len(found)), device=drafts.device)
-            drafts[r], num_drafts[r] = tokens, len(found)
+        elif choice in (LOOKUP, BOTH):
+            tokens = torch.tensor(found + [0] * (width - len(found)))
+            if choice == BOTH:
+                second[r], num_second[r] = tokens, len(found)
+                continue
+            drafts[r], num_drafts[r] = tokens.to(drafts.device), len(found)
             if logits is not None:
                 logits[r] = one_hot_logits(tokens, vocab_size).to(logits.device)
-    return Proposal(drafts, num_drafts, logits, proposal.looked_up, proposal.hits, proposal.exposed_seconds,
-                    proposal.errors)
+    if second is not None:
+        second, num_second = second.to(drafts.device), num_second.to(drafts.device)
+    return plan, Proposal(drafts, num_drafts, logits, proposal.looked_up, proposal.hits, proposal.exposed_seconds,
+                          proposal.errors, second, num_second)
 
 
-__all__ = ["BLOCK", "DEFAULT_BLOCK_SIZE", "LOOKUP", "NOTHING", "RoundPlan", "RowHistory", "VerifyPolicy", "apply_plan",
-           "make_chooser", "policy_for"]
+def untangled(plan: RoundPlan, proposal: Proposal, lookups: list[list[int]]) -> RoundPlan:
+    """`plan` with each `BOTH` row whose block and lookup drafts begin one with the other verifying only the longer
+    (`BLOCK` or `LOOKUP`): a tree keeps more only where the two differ. Reads the drafts to the host."""
+    choices = list(plan.choices)
+    rows = [r for r, choice in enumerate(choices) if choice == BOTH]
+    blocks = proposal.drafts[rows].tolist()
+    counts = proposal.num_drafts[rows].tolist()
+    for r, block, count in zip(rows, blocks, counts):
+        block, found = block[:count], lookups[r]
+        shorter = min(len(block), len(found))
+        if block[:shorter] == found[:shorter]:
+            choices[r] = LOOKUP if len(found) > len(block) else BLOCK
+    return RoundPlan(choices, plan.drafter, plan.width if BOTH in choices else (plan.width + 1) // 2)
+
+
+__all__ = ["BLOCK", "BOTH", "DEFAULT_BLOCK_SIZE", "LOOKUP", "NOTHING", "RoundPlan", "RowHistory", "VerifyPolicy",
+           "apply_plan", "make_chooser", "policy_for", "tree_width", "untangled"]

@@ -33,7 +33,9 @@ class Proposal:
     padding); logits `(rows, m, vocab)` processed (q = softmax), None when no row samples; looked_up / hits: per row,
     whether prepared branches were searched and whether one served it; exposed_seconds: host seconds `propose` took
     (the engine times the drafting its target waited for with its own clock, `streams_d3d.Clock`); errors: rows
-    whose own drafting step (their logits processors) failed, by row index (those rows end)."""
+    whose own drafting step (their logits processors) failed, by row index (those rows end); second `(rows, m)` and
+    num_second `(rows,)`: a second branch of drafts after the same anchor (a tree round, `policy_d3d.BOTH`; greedy
+    rows only, so no q), None in other rounds."""
 
     drafts: torch.Tensor
     num_drafts: torch.Tensor
@@ -42,6 +44,8 @@ class Proposal:
     hits: list[bool]
     exposed_seconds: float = 0.0
     errors: dict[int, BaseException] = field(default_factory=dict)
+    second: torch.Tensor | None = None
+    num_second: torch.Tensor | None = None
 
 
 class DraftTiming(NamedTuple):

@@ -136,11 +136,18 @@ def rounds_of(engine) -> Iterator[list]:
         yield outcomes
 
 
+def kept_lookup(outcome) -> bool:
+    """Whether a round's accepted drafts (a `RoundOutcome`'s) came from prompt lookup: verified alone, or the branch a
+    tree kept (`branch`; drafter code saved before trees has none)."""
+    return outcome.verified == "lookup" or getattr(outcome, "branch", None) == "lookup"
+
+
 def token_kinds(outcome) -> list[str]:
-    """How each token of one round (a `RoundOutcome`) came: its accepted drafts, `LOOKUP` when the round verified a
-    prompt-lookup continuation, else `CACHE` when a prepared branch served it, else `DRAFT`; then the target's own
-    token, `TARGET` (none when the length limit cut the round inside the drafts)."""
-    kind = LOOKUP if outcome.verified == "lookup" else CACHE if served_by_branch(outcome) else DRAFT
+    """How each token of one round (a `RoundOutcome`) came: its accepted drafts, `LOOKUP` when they came from a
+    prompt-lookup continuation (verified alone or as the kept branch of a tree), else `CACHE` when a prepared branch
+    served it, else `DRAFT`; then the target's own token, `TARGET` (none when the length limit cut the round inside
+    the drafts)."""
+    kind = LOOKUP if kept_lookup(outcome) else CACHE if served_by_branch(outcome) else DRAFT
     return [kind] * outcome.accepted_drafts + [TARGET] * (len(outcome.added) - outcome.accepted_drafts)
 
 
@@ -196,8 +203,8 @@ class LiveDecode:
 
     def extend(self, outcome, drafting: bool) -> None:
         """Add one round's `RoundOutcome`; `drafting`: whether a drafter proposed drafts for it."""
-        served = ("prompt lookup" if outcome.verified == "lookup" else "cache hit" if served_by_branch(outcome)
-                  else "drafting pass" if drafting and outcome.verified == "block" else "no draft")
+        served = ("prompt lookup" if kept_lookup(outcome) else "cache hit" if served_by_branch(outcome)
+                  else "drafting pass" if drafting and outcome.verified in ("block", "both") else "no draft")
         round_ = Round(list(outcome.added), token_kinds(outcome), served)
         self.rounds.append(round_)
         self.tokens += round_.tokens

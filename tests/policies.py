@@ -1,27 +1,30 @@
 """Scripted plans for the engine's tests: `EveryChoice` makes every round verify each kind of proposal in turn, so
-identity and distribution tests cover nothing, the drafter's block and lookups, mixed in one batch and alone."""
+identity and distribution tests cover nothing, the drafter's block, lookups and trees of both, mixed in one batch and
+alone."""
 
-from modeling_d3d.policy_d3d import BLOCK, LOOKUP, NOTHING, RoundPlan, VerifyPolicy
+from modeling_d3d.policy_d3d import BLOCK, BOTH, LOOKUP, NOTHING, RoundPlan, VerifyPolicy
 
 
 class EveryChoice(VerifyPolicy):
-    """Row `r` of round `n` verifies nothing, the drafter's block or its lookup continuation by `(n + r) % 3` (a
-    lookup with no continuation: the block; no drafter: nothing). Its decisions read nothing of the round's
-    verification, as the real policy's."""
+    """Row `r` of round `n` verifies nothing, the drafter's block, its lookup continuation or both by `(n + r) % 4`
+    (both: only a greedy row of an engine that verifies trees, else its lookup; a lookup with no continuation: the
+    block; no drafter: nothing). Its decisions read nothing of the round's verification, as the real policy's."""
 
     def __init__(self, block_size: int):
         super().__init__(block_size)
         self.round = 0
 
-    def plan(self, keys: list, lookups: list[list[int]], drafter: bool) -> RoundPlan:
+    def plan(self, keys: list, lookups: list[list[int]], drafter: bool, greedy: list[bool] | None = None,
+             trees: bool = False) -> RoundPlan:
         self.round += 1
         choices = []
         for r, found in enumerate(lookups):
-            choice = (NOTHING, BLOCK, LOOKUP)[(self.round + r) % 3]
-            if choice == LOOKUP and not found:
+            choice = (NOTHING, BLOCK, LOOKUP, BOTH)[(self.round + r) % 4]
+            if choice == BOTH and not (trees and greedy[r]):
+                choice = LOOKUP
+            if choice in (LOOKUP, BOTH) and not found:
                 choice = BLOCK
             if choice == BLOCK and not drafter:
                 choice = NOTHING
             choices.append(choice)
-        verifies = any(choice != NOTHING for choice in choices)
-        return RoundPlan(choices, BLOCK in choices, self.block_size if verifies else 1)
+        return self.round_of(choices)

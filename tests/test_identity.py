@@ -4,7 +4,7 @@ near-tie (not a failure), any other difference a divergence."""
 import torch
 
 from conftest import tiny_target
-from d3d.benchmark.identity import (classify, kolmogorov_smirnov_p_value, sampled_consistency,
+from d3d.benchmark.identity import (classify, effective_sampling, kolmogorov_smirnov_p_value, sampled_consistency,
                                      uniformity_p_value)
 from d3d.common.report import markdown
 
@@ -97,6 +97,31 @@ def test_at_eight_prompts_the_token_level_uniformity_test_catches_what_the_paire
                                  settings)
     assert same["consistent"] and same["uniform_p"] > 1e-3, same
     assert colder["p"] >= 2 / 2**8 and colder["uniform_p"] < 1e-4 and not colder["consistent"], colder
+
+
+def test_sampling_is_checked_against_what_generate_draws_with_including_its_defaults():
+    """`generate(do_sample=True, temperature=1.0)` draws from the 50 likeliest tokens (transformers' default top-k)
+    unless the call or the model's generation config says otherwise: checked against the whole vocabulary, the
+    target's own draws failed (`d3d bench --do-sample --temperature 1.0` said NO for every method). The bench makes
+    the settings `generate` would use explicit (`effective_sampling`); an explicit setting wins, then the config's."""
+    target = tiny_target(3, vocab_size=256)  # near uniform: its 50 likeliest of 256 tokens are far from all of them
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (1, 4), generator=generator) for _ in range(8)]
+    given = {"do_sample": True, "temperature": 1.0}
+
+    def draws(seed: int) -> list[list[int]]:
+        torch.manual_seed(seed)
+        return [target.generate(p, **given, max_new_tokens=64, min_new_tokens=64)[0, p.shape[1]:].tolist()
+                for p in prompts]
+
+    effective = effective_sampling(target, given)
+    assert effective == {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 50}
+    reference, outputs = draws(1), draws(2)
+    assert sampled_consistency(target, prompts, reference, outputs, effective)["consistent"]
+    assert not sampled_consistency(target, prompts, reference, outputs, given)["consistent"]  # the old check
+    target.generation_config.top_k = 20
+    assert effective_sampling(target, given)["top_k"] == 20
+    assert effective_sampling(target, {**given, "top_k": 5})["top_k"] == 5
 
 
 def test_the_uniformity_tests_hold_their_level_on_uniform_values_and_reject_skewed_ones():

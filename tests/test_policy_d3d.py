@@ -12,7 +12,8 @@ from conftest import tiny_target
 from distribution import NEW_TOKENS, SAMPLES, VOCAB, chi_square_p_value, exact_distribution, processors
 from modeling_d3d import BlockSource, D3DForBlockDiffusion, RowSettings, SpeculativeEngine, SuccessorSource
 from modeling_d3d.lookup_d3d import LookupSource, NgramIndex
-from modeling_d3d.policy_d3d import BLOCK, LOOKUP, NOTHING, RoundPlan, VerifyPolicy, make_chooser
+from modeling_d3d.sources_d3d import Proposal
+from modeling_d3d.policy_d3d import BLOCK, BOTH, LOOKUP, NOTHING, RoundPlan, VerifyPolicy, make_chooser, untangled
 from policies import EveryChoice
 
 REPEATING = [1, 5, 2, 7, 3, 1, 5, 2, 7, 3, 1, 5]  # its suffix [1, 5] occurred before: lookups find [2, 7, 3, ...]
@@ -80,6 +81,37 @@ def test_the_policy_takes_the_lookup_where_it_keeps_more_and_skips_the_drafter_w
     assert plan_of(policy, [[]]) == [NOTHING]  # no continuation: the block's 1.2 tokens are not worth 2 s
 
 
+def test_a_tree_is_planned_for_greedy_rows_with_a_lookup_where_it_pays_and_never_for_sampled_rows():
+    """Both proposals in one pass (`BOTH`, `2B - 1` columns) when a tree's extra drafts are worth its wider pass."""
+    cheap = VerifyPolicy(4, costs={"narrow": 1.0, "wide": 1.0, "tree": 1.0, "drafter": 0.0})
+    plan = cheap.plan([0, 1, 2], [[5, 6], [5, 6], []], True, greedy=[True, False, True], trees=True)
+    assert plan == RoundPlan([BOTH, BLOCK, BLOCK], True, 7)  # a sampled row and a row without a lookup: no tree
+    assert BOTH not in cheap.plan([0, 1, 2], [[5, 6], [5, 6], []], True, greedy=[True] * 3).choices  # no trees here
+    dear = VerifyPolicy(4, costs={"narrow": 1.0, "wide": 1.0, "tree": 3.0, "drafter": 0.0})
+    assert dear.plan([0], [[5, 6]], True, greedy=[True], trees=True) == RoundPlan([BLOCK], True, 4)
+
+
+def test_a_tree_whose_branches_begin_one_with_the_other_verifies_only_the_longer():
+    plan = RoundPlan([BOTH, BOTH, BOTH, LOOKUP], True, 7)
+    proposal = Proposal(torch.tensor([[5, 6, 7], [5, 6, 7], [5, 6, 7], [1, 1, 1]]), torch.tensor([3, 3, 1, 3]), None,
+                        [False] * 4, [False] * 4)
+    lookups = [[5, 6], [5, 9], [5, 8, 8], [1]]
+    # row 0: the lookup repeats the block's start; row 1: they differ; row 2: the block (1 draft) begins the lookup
+    assert untangled(plan, proposal, lookups) == RoundPlan([BLOCK, BOTH, LOOKUP, LOOKUP], True, 7)
+    assert untangled(RoundPlan([BOTH], True, 7), proposal, lookups) == RoundPlan([BLOCK], True, 4)
+
+
+def test_a_tree_teaches_both_kinds_and_what_a_tree_adds():
+    policy = VerifyPolicy(4, costs={"narrow": 1.0, "wide": 1.0, "tree": 1.0, "drafter": 0.0}, pooling=0.0)
+    before = policy.row(0)
+    block, lookup = before.block, before.lookup  # 1.5 each
+    policy.observe([0], RoundPlan([BOTH], True, 7), [3], 1.0, 0.0, [(0, 3)])
+    history = policy.row(0)
+    assert history.block < block and history.lookup > lookup and history.since_block == history.since_lookup == 0
+    # the block was expected to keep as much (1.5 each, the block first): the tree added the lookup's 3 over its 0
+    assert policy.priors[BOTH] == pytest.approx(1.0 + 0.5 * (3 - 1.0))  # its first tree: half the way
+
+
 def test_a_row_that_skipped_the_drafter_verifies_its_block_again_less_often_while_probes_keep_nothing():
     policy = VerifyPolicy(16, probe_every=3, costs={"narrow": 1.0, "wide": 1.0, "drafter": 5.0})
     policy.row(0).block = 0.0
@@ -134,6 +166,8 @@ def test_costs_not_measured_yet_are_taken_as_the_cheapest_they_can_be():
     policy = VerifyPolicy(16)
     assert plan_of(policy, [[]]) == [NOTHING]  # nothing measured: a plain step looks free, and measures its pass
     policy.observe([0], RoundPlan([NOTHING], False, 1), [0], 1.0, 0.0)
+    assert plan_of(policy, [[]]) == [NOTHING]  # its first pass was a warm-up: a plain step still looks free
+    policy.observe([0], RoundPlan([NOTHING], False, 1), [0], 1.0, 0.0)
     assert plan_of(policy, [[]]) == [BLOCK]  # a wide pass priced as a narrow one, drafting free
     policy.observe([0], RoundPlan([BLOCK], True, 16), [0], 1.0, 10.0)
     policy.observe([0], RoundPlan([BLOCK], True, 16), [0], 1.0, 10.0)
@@ -179,19 +213,26 @@ class PeekingEngine(SpeculativeEngine):
 
 
 def sampled_counts(target, drafter, kind: str) -> tuple[Counter, SpeculativeEngine]:
-    """SAMPLES sampled rows of REPEATING through an engine with lookup, up to 64 at a time, each its own seed."""
+    """SAMPLES sampled rows of REPEATING through an engine with lookup, up to 64 at a time, each its own seed, beside
+    one greedy row at all times (a new one when it ends), whose trees put the sampled rows in tree rounds."""
     engine_class = PeekingEngine if kind == "peeking" else SpeculativeEngine
     source = SuccessorSource(drafter, 3, 2) if kind == "async" else BlockSource(drafter)
-    engine = engine_class(target, source, max_rows=64, max_length=64, lookup=LookupSource(4, min_ngram=2),
+    engine = engine_class(target, source, max_rows=65, max_length=64, lookup=LookupSource(4, min_ngram=2),
                           policy=EveryChoice(4))
-    counts, outputs, queue = Counter(), {}, list(range(SAMPLES))
+    counts, outputs, queue, greedy = Counter(), {}, list(range(SAMPLES)), 0
     try:
-        while queue or len(engine):
-            while queue and len(engine) < 64:
+        engine.add(("greedy", greedy), REPEATING, RowSettings(NEW_TOKENS))
+        while queue or any(isinstance(row.key, int) for row in engine.rows):
+            while queue and len(engine) < 65:
                 index = queue.pop()
                 engine.add(index, REPEATING, RowSettings(NEW_TOKENS, True, logits_processor=processors(), seed=index))
             for outcome in engine.step():
                 assert outcome.error is None
+                if not isinstance(outcome.key, int):
+                    if outcome.finished:
+                        greedy += 1
+                        engine.add(("greedy", greedy), REPEATING, RowSettings(NEW_TOKENS))
+                    continue
                 outputs.setdefault(outcome.key, []).extend(outcome.added)
                 if outcome.finished:
                     counts[tuple(outputs.pop(outcome.key))] += 1
@@ -204,7 +245,7 @@ def sampled_counts(target, drafter, kind: str) -> tuple[Counter, SpeculativeEngi
 def test_sampled_rows_under_every_kind_of_plan_follow_the_target_distribution(sampling_models, kind):
     target, drafter, expected = sampling_models
     counts, engine = sampled_counts(target, drafter, kind)
-    assert set(engine.round_record.verified) == {NOTHING, BLOCK, LOOKUP}
+    assert set(engine.round_record.verified) == {NOTHING, BLOCK, LOOKUP, BOTH}  # BOTH: the greedy rows' trees
     assert max(engine.round_record.accepted) >= 2  # drafts were accepted, lookups among them
     assert chi_square_p_value(counts, expected, SAMPLES) > 1e-3
 
@@ -244,7 +285,8 @@ def test_one_slow_round_does_not_make_a_drafter_that_pays_look_too_costly():
     for seconds in (0.01, 0.01, 1.0):  # drafter passes: two ordinary ones, then one 100x slower
         plan = RoundPlan([BLOCK], True, 16)
         policy.observe(keys, plan, [3], 0.02, seconds)
-    policy.observe(keys, RoundPlan([NOTHING], False, 1), [0], 0.015, 0.0)
+    for _ in range(2):  # plain steps: a warm-up, then one measured
+        policy.observe(keys, RoundPlan([NOTHING], False, 1), [0], 0.015, 0.0)
     assert policy.cost("drafter", 1) <= 0.01 * (1 + policy.smoothing) + 1e-12
     assert plan_of(policy, [[]]) == [BLOCK]  # ~4 tokens per 0.03 s beat 1 per 0.015 s
 
@@ -256,12 +298,32 @@ def test_one_slow_plain_step_does_not_make_every_round_draft():
     policy = VerifyPolicy(16)
     for _ in range(40):  # blocks that keep nothing: the drafter's expected gain falls towards 0
         policy.observe([0], RoundPlan([BLOCK], True, 16), [0], 0.006, 0.004)
+    policy.observe([0], RoundPlan([NOTHING], False, 1), [0], 0.005, 0.0)  # a plain step's warm-up
     policy.observe([0], RoundPlan([NOTHING], False, 1), [0], 0.3, 0.0)  # one plain step during a pause
     assert policy.cost("narrow", 1) == policy.cost("wide", 1)
     assert plan_of(policy, [[]]) == [NOTHING]  # 1 token per 6 ms beats ~1.1 per 10 ms
     alone = VerifyPolicy(16)  # a narrow pass measured before any wide one (a lookup that found nothing) is itself
-    alone.observe([0], RoundPlan([NOTHING], False, 1), [0], 2.5, 0.0)
+    for _ in range(2):
+        alone.observe([0], RoundPlan([NOTHING], False, 1), [0], 2.5, 0.0)
     assert alone.cost("narrow", 1) == alone.cost("wide", 1) == 2.5
+
+
+def test_a_slow_first_pass_of_a_kind_does_not_set_its_cost():
+    """The first pass of each kind at a batch size pays one-time costs (a compile, the first use of kernels and
+    buffers): counted in full, a first wide pass and drafter pass 1000x their cost make drafting look dear, and a
+    policy that then skips them re-measures them only on its probes. The first pass is a warm-up: the next replaces
+    it, and until then the kind counts as not measured."""
+    policy, seen, choices = VerifyPolicy(16, pooling=0.0), set(), Counter()
+    seconds, first = {"narrow": 0.010, "wide": 0.012, "drafter": 0.005}, {"narrow": 0.010, "wide": 12.0, "drafter": 5.0}
+    for _ in range(48):
+        plan = policy.plan([0], [[]], True)
+        kinds = ["wide" if plan.width > 1 else "narrow"] + (["drafter"] if plan.drafter else [])
+        taken = {kind: (seconds if kind in seen else first)[kind] for kind in kinds}
+        policy.observe([0], plan, [5 if plan.drafter else 0], taken[kinds[0]], taken.get("drafter", 0.0))
+        seen |= set(kinds)
+        choices[plan.choices[0]] += 1
+    assert policy.cost("wide", 1) == 0.012 and policy.cost("drafter", 1) == 0.005
+    assert choices[BLOCK] >= 44  # 6 tokens per 17 ms beat 1 per 10 ms: every round drafts once it is measured
 
 
 def test_the_policy_measures_plain_steps_and_skips_drafting_where_a_batch_makes_wide_rounds_dear():

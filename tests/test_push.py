@@ -22,7 +22,8 @@ def bench_results(tau: float, speedup: float, hit_rate: float) -> dict:
                 "hit_rate": hits, "lossless": True, "ideal_sync_speedup": None, "ideal_async_speedup": None,
                 "ms_per_round": 1.0, "new_tokens": 64, "seconds": 1.0}
 
-    passes = {"t_target_1": 0.001, "t_target_b": 0.002, "t_drafter_b": 0.001, "measure_seconds": 0.1}
+    passes = {"t_target_1": 0.001, "t_target_b": 0.002, "t_target_tree": 0.003, "t_drafter_b": 0.001,
+              "measure_seconds": 0.1}
     return {"hardware": "test CPU, 2 threads", "max_new_tokens": 32, "block_size": 5, "passes": {"eager": passes},
             "sweep": [], "best_budget": {"coverage": 2, "fanout": 1},
             "prompt_sets": {"humaneval": {"prompts": 4, "methods": [

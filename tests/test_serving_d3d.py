@@ -40,7 +40,7 @@ def prompts(count: int, seed: int = 0) -> list[list[int]]:
 
 @pytest.mark.parametrize("asynchronous,chooser", [(False, False), (True, False), (False, True), (True, True)])
 def test_concurrent_requests_stream_their_own_tokens(models, asynchronous, chooser):
-    """With `chooser`, rows verify nothing, the drafter's block or a lookup by turns (`policies.EveryChoice`)."""
+    """With `chooser`, rows verify nothing, the drafter's block, a lookup or both by turns (`policies.EveryChoice`)."""
     target, drafter = models
     # without the chooser: the drafter's block every round (the default policy's choices follow measured times)
     settings = dict(lookup=True, policy=EveryChoice(drafter.config.block_size)) if chooser else dict(policy=False)
@@ -65,7 +65,7 @@ def test_concurrent_requests_stream_their_own_tokens(models, asynchronous, choos
         record = server.round_record
         assert record.rounds > 0 and record.new_tokens == sum(10 + i for i in range(len(requests)))
         assert (record.hit_rate is not None) == asynchronous
-        assert set(record.verified) == ({"nothing", "block", "lookup"} if chooser else {"block"})
+        assert set(record.verified) == ({"nothing", "block", "lookup", "both"} if chooser else {"block"})
 
 
 def test_a_finished_stream_can_be_read_again_and_bad_requests_are_refused(models):

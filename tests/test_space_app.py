@@ -46,6 +46,9 @@ def test_token_kinds_split_accepted_drafts_from_the_target_token(space_models):
     assert token_kinds(outcome(0, [3], True, accepted_drafts=0, from_branch=True)) == [TARGET]
     assert token_kinds(outcome(0, [5, 6], True, accepted_drafts=2)) == [DRAFT, DRAFT]  # the length limit cut the drafts
     assert token_kinds(outcome(0, [5, 6, 1], False, accepted_drafts=2, verified="lookup")) == [LOOKUP] * 2 + [TARGET]
+    tree = dict(accepted_drafts=1, verified="both", branches=(0, 1))  # a tree kept its lookup branch, or its block
+    assert token_kinds(outcome(0, [5, 1], False, branch="lookup", **tree)) == [LOOKUP, TARGET]
+    assert token_kinds(outcome(0, [5, 1], False, branch="block", **tree)) == [DRAFT, TARGET]
 
 
 def matched_drafts(drafter, context: list[int], added: list[int], limit: int) -> int:

@@ -16,10 +16,11 @@ it (`identity.ceiling_tau`: what the target's entropy allows).
 
 Speedups are over the fastest target-alone baseline and over plain `generate`. The ideal bounds use the engine's own
 passes on a 256-token prefix: the run's tokens times t_T(1) over the passes its rounds ran, at those costs: sync,
-a round that verified the drafter's block t_T(B) + t_D(B) (it waits for its draft), a lookup t_T(B), nothing t_T(1);
-async, drafting fully hidden (t_T(B) for either). With the drafter's block every round these are the paper's
-τ·t_T(1)/(t_T(B) + t_D(B)) and τ·t_T(1)/t_T(B). The fraction reached is the speedup over the target alone through
-the engine in the same mode (eager or compiled: the t_T(1) the bound assumes) divided by the bound.
+a round that verified the drafter's block t_T(B) + t_D(B) (it waits for its draft), a lookup t_T(B), both (a tree)
+t_T(2B-1) + t_D(B), nothing t_T(1); async, drafting fully hidden (t_T(B) for one proposal, t_T(2B-1) for both).
+With the drafter's block every round these are the paper's τ·t_T(1)/(t_T(B) + t_D(B)) and τ·t_T(1)/t_T(B). The
+fraction reached is the speedup over the target alone through the engine in the same mode (eager or compiled: the
+t_T(1) the bound assumes) divided by the bound.
 """
 
 import platform
@@ -32,11 +33,11 @@ from tqdm.auto import tqdm
 
 from d3d.common.measure import MethodRun, decode_one, timed
 from modeling_d3d.generation_d3d import speculative_generate
-from modeling_d3d.policy_d3d import BLOCK, LOOKUP, NOTHING
+from modeling_d3d.policy_d3d import BLOCK, BOTH, LOOKUP, NOTHING
 from modeling_d3d.successor_d3d import DEFAULT_COVERAGE, DEFAULT_FANOUT
 
 from .forward_cost import engine_pass_seconds
-from .identity import ceiling_tau, checks_exactly, classify, sampled_consistency
+from .identity import ceiling_tau, checks_exactly, classify, effective_sampling, sampled_consistency
 
 PROMPT_LOOKUP_TOKENS = 10
 PASS_PREFIX_LENGTH = 256
@@ -145,11 +146,12 @@ def run_methods(target, methods: list[Method], prompts: list[torch.Tensor], max_
 def ideal_bounds(run: MethodRun, passes: dict) -> tuple[float, float]:
     """(sync, async) ideal speedups of `run`: its tokens at t_T(1) each over its rounds' passes (module docstring);
     rounds the engine did not record (transformers' loop) verified the drafter's block."""
-    t1, tb, td = passes["t_target_1"], passes["t_target_b"], passes["t_drafter_b"]
+    t1, tb, tt, td = passes["t_target_1"], passes["t_target_b"], passes["t_target_tree"], passes["t_drafter_b"]
     verified = run.verified if run.verified else Counter({BLOCK: run.rounds})
-    narrow, block, lookup = verified[NOTHING], verified[BLOCK], verified[LOOKUP]
+    narrow, block, lookup, both = verified[NOTHING], verified[BLOCK], verified[LOOKUP], verified[BOTH]
     alone = run.new_tokens * t1
-    return alone / (narrow * t1 + lookup * tb + block * (tb + td)), alone / (narrow * t1 + (lookup + block) * tb)
+    return (alone / (narrow * t1 + lookup * tb + block * (tb + td) + both * (tt + td)),
+            alone / (narrow * t1 + (lookup + block) * tb + both * tt))
 
 
 def round_split(run: MethodRun) -> dict:
@@ -198,6 +200,7 @@ def summarize(methods: list[Method], runs: list[MethodRun], warmups: list[float]
             "compilations": run.compilations,
             "new_tokens": run.new_tokens,
             "rounds": run.rounds,
+            "verified": dict(run.verified),  # row rounds by what they verified (nothing, block, lookup, both)
             "seconds": run.seconds,
         })
     return rows
@@ -238,9 +241,11 @@ def benchmark(
     methods_named: list[str] | None = None,
 ) -> dict:
     """Run the whole comparison, greedy or with `sampling` (`generate`'s `do_sample`, `temperature`, `top_p`,
-    `top_k`); methods_named: only the methods whose names contain one of these (the target-alone baselines always
-    run; the async sweep only when an async method is kept). Returns everything `bench.json` holds."""
+    `top_k`; those left out made explicit as `generate` would set them, `identity.effective_sampling`);
+    methods_named: only the methods whose names contain one of these (the target-alone baselines always run; the
+    async sweep only when an async method is kept). Returns everything `bench.json` holds."""
     modes = compile_modes(compile, target.device)
+    sampling = effective_sampling(target, sampling) if sampling else None  # what generate samples with, explicit
     block_size = drafter.config.block_size
     default = (min(DEFAULT_COVERAGE, block_size), DEFAULT_FANOUT)
     grid = sweep_grid or sorted({default, (1, 0), (2, 1), (4, 1), (max(block_size // 2, 1), 1)})

@@ -24,6 +24,7 @@ from d3d.common.report import table
 from modeling_d3d.acceptance_d3d import RowSampling
 from modeling_d3d.engine_d3d import RowSettings, SpeculativeEngine
 from modeling_d3d.generation_d3d import build_engine, make_source
+from modeling_d3d.policy_d3d import tree_width
 from modeling_d3d.successor_d3d import DEFAULT_FANOUT, SuccessorSource
 
 from .random_models import random_causal_lm, random_drafter
@@ -75,9 +76,10 @@ def one_row_engine(target, drafter, prefix: list[int], max_length: int, compile:
     return engine
 
 
-def verify_pass(engine: SpeculativeEngine) -> Callable[[], object]:
-    """The engine's verify pass over its row, ready to time (every call verifies the same columns: nothing grows)."""
-    return lambda: engine.verify(None)
+def verify_pass(engine: SpeculativeEngine, width: int | None = None) -> Callable[[], object]:
+    """The engine's verify pass over its row, `width` columns (None: its block), ready to time (every call verifies
+    the same columns: nothing grows)."""
+    return lambda: engine.verify(None, width)
 
 
 def block_pass(engine: SpeculativeEngine) -> Callable[[], object]:
@@ -88,17 +90,20 @@ def block_pass(engine: SpeculativeEngine) -> Callable[[], object]:
 
 @torch.no_grad()
 def engine_pass_seconds(target, drafter, prefix_length: int = 256, repeats: int = 50, compile: bool = False) -> dict:
-    """t_T(1), t_T(B) (the target's verify pass over 1 and B tokens) and t_D(B) (the drafter's block pass), eager or
-    compiled, as the engines of one prompt of `prefix_length + B` tokens run them (the target alone, and D3D sync)
-    after a random `prefix_length`-token prefix, timed in alternation (`interleaved_seconds`)."""
+    """t_T(1), t_T(B), t_T(2B-1) (the target's verify pass over 1 and B tokens, and over a tree of two branches) and
+    t_D(B) (the drafter's block pass), eager or compiled, as the engines of one prompt of `prefix_length + B` tokens
+    run them (the target alone, and D3D sync; its cache has room for a tree's columns) after a random
+    `prefix_length`-token prefix, timed in alternation (`interleaved_seconds`)."""
     prefix = random_prefix(target, prefix_length)
-    max_length = prefix_length + drafter.config.block_size
+    block_size = drafter.config.block_size
+    max_length = prefix_length + block_size
     with ExitStack() as stack:
         alone = one_row_engine(target, None, prefix, max_length, compile, stack)
         d3d = one_row_engine(target, drafter, prefix, max_length, compile, stack)
         return interleaved_seconds({
             "t_target_1": (verify_pass(alone), target.device),
             "t_target_b": (verify_pass(d3d), target.device),
+            "t_target_tree": (verify_pass(d3d, tree_width(block_size)), target.device),
             "t_drafter_b": (block_pass(d3d), drafter.device),
         }, repeats)
 

@@ -59,6 +59,24 @@ def classify(target, prompts: list[torch.Tensor], reference: list[list[int]], ou
     return counts
 
 
+# What `generate` samples with where neither the call nor the model's generation config sets a value: transformers'
+# documented defaults (top-k 50: "sampling at T=1.0" draws from the 50 likeliest tokens unless told otherwise).
+GENERATE_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50}
+
+
+def effective_sampling(target, sampling: dict) -> dict:
+    """`sampling` (`do_sample` and any of temperature, top_p, top_k) with every setting `target.generate` would use
+    for it: the call's, else the target's generation config's, else `GENERATE_DEFAULTS`. Given to every method
+    explicitly, the draws and the distribution they are checked against are the same one."""
+    config = target.generation_config
+    settings = {}
+    for name, default in GENERATE_DEFAULTS.items():
+        value = sampling.get(name)
+        value = getattr(config, name, None) if value is None else value
+        settings[name] = default if value is None else value
+    return {**sampling, **settings}
+
+
 def sampling_processors(sampling: dict) -> LogitsProcessorList:
     """The warpers `generate` builds for `sampling` (temperature, then top-k, then top-p)."""
     processors = LogitsProcessorList()

@@ -71,7 +71,8 @@ def _passes(results: dict) -> list[str]:
     lines = []
     for mode, passes in results.get("passes", {}).items():
         lines.append(f"- {mode}: t_T(1) = {1000 * passes['t_target_1']:.2f} ms, t_T(B={results['block_size']}) = "
-                     f"{1000 * passes['t_target_b']:.2f} ms, t_D(B) = {1000 * passes['t_drafter_b']:.2f} ms "
+                     f"{1000 * passes['t_target_b']:.2f} ms, t_T(2B-1) = {1000 * passes['t_target_tree']:.2f} ms, "
+                     f"t_D(B) = {1000 * passes['t_drafter_b']:.2f} ms "
                      f"(measured in {passes['measure_seconds']:.1f} s)")
     return lines
 
@@ -80,7 +81,9 @@ def sampling_description(sampling: dict | None) -> str:
     """`greedy`, or `sampled (temperature 0.6, top_p 0.95, top_k 20)`."""
     if not sampling or not sampling.get("do_sample"):
         return "greedy"
-    settings = ", ".join(f"{name} {sampling[name]}" for name in ("temperature", "top_p", "top_k") if sampling.get(name))
+    off = {"top_p": 1.0, "top_k": 0}  # values that leave the distribution as it is
+    settings = ", ".join(f"{name} {sampling[name]}" for name in ("temperature", "top_p", "top_k")
+                         if sampling.get(name) and sampling[name] != off.get(name))
     return f"sampled ({settings})" if settings else "sampled"
 
 
@@ -126,7 +129,8 @@ def markdown(results: dict) -> str:
         "verify + exposed draft + overhead (host work, prefill, `generate` setup), from the engine's round record "
         "(other methods: the total only, rounds counted by a streamer). Ideal sync: the tokens at t_T(1) each over "
         "the passes the rounds ran, a round that verified the drafter's block t_T(B) + t_D(B), a lookup t_T(B), "
-        "nothing t_T(1) (the block every round: τ·t_T(1)/(t_T(B) + t_D(B))); ideal async the same with drafting "
+        "both (a tree) t_T(2B-1) + t_D(B), nothing t_T(1) (the block every round: τ·t_T(1)/(t_T(B) + t_D(B))); "
+        "ideal async the same with drafting "
         f"hidden (τ·t_T(1)/t_T(B)); with the engine's passes over a {results.get('pass_prefix_length', 256)}-token "
         "prefix (reached: the speedup over the target alone through the engine in the same mode, over the bound):",
         *_passes(results), "",
