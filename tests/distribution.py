@@ -19,13 +19,15 @@ def processors() -> LogitsProcessorList:
     )
 
 
-def sampled_counts(target, seed: int, samples: int = SAMPLES, **generate_kwargs) -> Counter:
-    """How often each continuation of NEW_TOKENS tokens came out of `samples` sampled `generate` calls."""
+def sampled_counts(target, seed: int, samples: int = SAMPLES, rows: int = 1, **generate_kwargs) -> Counter:
+    """How often each continuation of NEW_TOKENS tokens came out of `samples` sampled rows, `rows` identical rows per
+    `generate` call (assisted decoding takes one row a call; plain sampling draws each row independently)."""
     torch.manual_seed(seed)
     counts = Counter()
-    for _ in range(samples):
-        out = target.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=True, **SETTINGS, **generate_kwargs)
-        counts[tuple(out[0, PROMPT.shape[1] :].tolist())] += 1
+    for start in range(0, samples, rows):
+        prompts = PROMPT.expand(min(rows, samples - start), -1)
+        out = target.generate(prompts, max_new_tokens=NEW_TOKENS, do_sample=True, **SETTINGS, **generate_kwargs)
+        counts.update(tuple(row) for row in out[:, PROMPT.shape[1] :].tolist())
     return counts
 
 

@@ -53,6 +53,15 @@ return {
 };
 """
 WINDOW_WIDTHS = (480, 1400)  # Gradio stacks the two columns below about 640 px and puts them side by side above
+# Every state the page shows while decoding, recorded by the page itself on each DOM update (polling from the test
+# can miss all of them on a loaded host): per column its state and how many tokens it shows.
+RECORD_UPDATES = """
+window.d3dStates = [];
+const record = () => window.d3dStates.push(Object.fromEntries(Array.from(document.querySelectorAll('.d3d-text')).map(
+    column => [column.dataset.column, [column.dataset.state, column.querySelectorAll('[data-kind]').length]])));
+new MutationObserver(record).observe(document.body, {childList: true, subtree: true, attributes: true, characterData: true});
+"""
+STEP_SECONDS = 0.01  # each target forward takes at least this long, like a real model's: updates are spread in time
 STATS = "return Object.fromEntries(Array.from(document.querySelectorAll('[data-stat]')).map(c => [c.dataset.stat, c.textContent]));"
 
 
@@ -124,6 +133,7 @@ def tokens_outside_their_panel(layout: dict) -> list[str]:
 def test_a_prompt_streams_coloured_tokens_and_statistics_in_the_browser(browser, tmp_path):
     target, drafter, tokenizer = load_tiny_models(tmp_path, seed=2, tokenizer=code_piece_tokenizer())  # seed 2 writes every kind of run
     _, reference = greedy_text(target, tokenizer, PROMPT, MAX_NEW_TOKENS)
+    target.register_forward_pre_hook(lambda module, args: time.sleep(STEP_SECONDS))
     with served(build_demo(target, drafter, tokenizer)) as url:
         browser.get(url)
         prompt = wait_for(lambda: browser.find_elements("css selector", "#prompt textarea"), 30, "the page")[0]
@@ -140,16 +150,16 @@ def test_a_prompt_streams_coloured_tokens_and_statistics_in_the_browser(browser,
         assert policy.is_selected(), "the verify policy is on by default"
         policy.click()  # the drafter's block every round: these tiny models' drafts show every kind of token
         wait_for(lambda: not policy.is_selected(), 30, "the policy checkbox to clear")
+        browser.execute_script(RECORD_UPDATES)
         browser.find_element("css selector", "#generate").click()
-
-        states = []
 
         def finished():
             columns = {column["column"]: column for column in browser.execute_script(COLUMNS)}
-            states.append({name: (column["state"], len(column["spans"])) for name, column in columns.items()})
             return columns if columns["d3d"]["state"] == "done" else None
 
         columns = wait_for(finished, 60, "D3D to finish")
+        states = [{name: tuple(state) for name, state in update.items()}
+                  for update in browser.execute_script("return window.d3dStates") if update]
         stats = browser.execute_script(STATS)
         bars = browser.execute_script(BARS)
         ARTIFACTS.mkdir(exist_ok=True)
