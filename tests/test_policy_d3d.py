@@ -201,10 +201,14 @@ class PeekingEngine(SpeculativeEngine):
         super().__init__(*args, verification="token", **kwargs)
 
     def plan(self, keys, lookups):
+        last = {}  # each row's target logits after its last token: one batched pass per text length
+        for length in {len(row.tokens) for row in self.rows}:
+            indices = [r for r, row in enumerate(self.rows) if len(row.tokens) == length]
+            logits = self.target(torch.tensor([self.rows[r].tokens for r in indices])).logits[:, -1:].float()
+            last.update(zip(indices, logits))
         choices = []
-        for row, found in zip(self.rows, lookups):
-            logits = self.target(torch.tensor([row.tokens])).logits[0, -1:].float()
-            p = row.settings.logits_processor(torch.tensor([row.tokens]), logits).softmax(-1)[0]
+        for r, (row, found) in enumerate(zip(self.rows, lookups)):
+            p = row.settings.logits_processor(torch.tensor([row.tokens]), last[r]).softmax(-1)[0]
             state = row.verify_rng.get_state()
             draw = float(torch.rand(self.width - 1, generator=row.verify_rng)[0])
             row.verify_rng.set_state(state)
