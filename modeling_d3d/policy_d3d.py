@@ -244,12 +244,14 @@ def rate(tokens: float, seconds: float) -> float:
 DEFAULT_BLOCK_SIZE = 16  # the verify width of prompt lookup without a drafter
 
 
-def policy_for(model, block_size: int, compiled: bool) -> VerifyPolicy:
+def policy_for(model, block_size: int, compiled: bool, lookup: bool = False) -> VerifyPolicy:
     """The `VerifyPolicy` kept on `model` (the drafter, else the target) in `model.d3d_verify_policies`, one per block
-    size and mode (compiled passes cost other seconds than eager ones), made on first use: what it measured and learnt
-    serves the next call. Keys of rows are the engine's own objects, so engines sharing it do not mix their rows."""
+    size, mode (compiled passes cost other seconds than eager ones) and chooser (with a lookup or not: beside a
+    lookup, the drafter's block is verified where no good lookup was found, and keeps less there than on average),
+    made on first use: what it measured and learnt serves the next call. Keys of rows are the engine's own objects,
+    so engines sharing it do not mix their rows."""
     policies = model.__dict__.setdefault("d3d_verify_policies", {})
-    return policies.setdefault((block_size, compiled), VerifyPolicy(block_size))
+    return policies.setdefault((block_size, compiled, lookup), VerifyPolicy(block_size))
 
 
 def make_chooser(lookup, policy, block_size: int | None, holder=None,
@@ -259,7 +261,7 @@ def make_chooser(lookup, policy, block_size: int | None, holder=None,
     lookup), a `VerifyPolicy`, or False (the drafter's whole block every round, the paper's rule). Lookup needs the
     policy (it decides when a lookup is worth verifying). block_size: the drafter's (None: no drafter,
     `DEFAULT_BLOCK_SIZE`); holder: the model that keeps a policy made here across calls (`policy_for`, per mode:
-    `compiled`; None: a new one). Returns (None, None) with neither a drafter nor a lookup (the target alone).
+    `compiled`, and per chooser; None: a new one). Returns (None, None) with neither a drafter nor a lookup (the target alone).
     Raises `ValueError` for settings of the wrong kind."""
     drafting = block_size is not None
     block_size = block_size or DEFAULT_BLOCK_SIZE
@@ -279,7 +281,8 @@ def make_chooser(lookup, policy, block_size: int | None, holder=None,
         return source, policy
     if policy is False or (source is None and not drafting):
         return source, None
-    return source, policy_for(holder, block_size, compiled) if holder is not None else VerifyPolicy(block_size)
+    return source, (policy_for(holder, block_size, compiled, source is not None) if holder is not None
+                    else VerifyPolicy(block_size))
 
 
 def apply_plan(plan: RoundPlan, proposal: Proposal | None, lookups: list[list[int]], vocab_size: int,

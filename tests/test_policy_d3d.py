@@ -261,14 +261,18 @@ def test_a_plan_that_peeks_at_the_verification_fails_the_test(sampling_models):
     assert chi_square_p_value(counts, expected, SAMPLES) < 1e-6
 
 
-def test_a_policy_is_kept_on_its_model_per_block_size_and_mode():
-    """What a policy learns serves the next call of the same model and mode, never a compiled call's costs an eager
-    call's."""
+def test_a_policy_is_kept_on_its_model_per_block_size_mode_and_chooser():
+    """What a policy learns serves the next call of the same model, mode and chooser; never a compiled call's costs
+    an eager call's, nor a drafter-only call's acceptance a call with lookup (beside a lookup the block is verified
+    where no good lookup was found: pydoc's blocks kept 10 drafts a round alone, 0.5 there, and a shared pool made
+    the hybrid verify them where a plain step was faster)."""
     drafter = D3DForBlockDiffusion.from_backbone(tiny_target(0, vocab_size=16), block_size=4).eval()
     _, eager = make_chooser(False, True, 4, drafter)
-    _, again = make_chooser(True, None, 4, drafter)
+    _, again = make_chooser(False, None, 4, drafter)
     _, compiled = make_chooser(False, True, 4, drafter, compiled=True)
-    assert eager is again and compiled is not eager
+    _, hybrid = make_chooser(True, None, 4, drafter)
+    assert eager is again and compiled is not eager and hybrid is not eager
+    assert make_chooser(True, True, 4, drafter)[1] is hybrid
     assert make_chooser(False, True, 4)[1] is not eager  # no holder: a new one
 
 
