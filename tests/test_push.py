@@ -175,6 +175,18 @@ def test_dry_run_writes_the_folder_and_card_without_network(drafter_folder, tmp_
     assert card.data.eval_results is None and "org/target-lm" in card.text
 
 
+def test_a_bench_json_written_before_trees_still_makes_the_card(drafter_folder, tmp_path):
+    """A bench.json from before the tree pass was timed has no `t_target_tree`: its card is made without that term
+    (it was refused as "not a bench.json that `d3d bench` wrote")."""
+    bench = bench_results(tau=3.25, speedup=1.75, hit_rate=0.4)
+    del bench["passes"]["eager"]["t_target_tree"]
+    output = tmp_path / "upload"
+    assert main(["push", str(drafter_folder), "me/d3d-tiny", "--dry-run", str(output),
+                 "--bench", str(_write(tmp_path / "bench.json", bench))]) == 0
+    lines = (output / "README.md").read_text().splitlines()
+    assert "- eager: t_T(1) = 1.00 ms, t_T(B=5) = 2.00 ms, t_D(B) = 1.00 ms (measured in 0.1 s)" in lines
+
+
 def test_a_second_dry_run_replaces_only_what_the_first_wrote(drafter_folder, tmp_path):
     output = tmp_path / "upload"
     assert main(["push", str(drafter_folder), "me/d3d-tiny", "--dry-run", str(output)]) == 0

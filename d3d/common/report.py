@@ -70,9 +70,11 @@ def _passes(results: dict) -> list[str]:
     """One line per mode: the engine's pass times on the benchmark's prefix."""
     lines = []
     for mode, passes in results.get("passes", {}).items():
+        tree = passes.get("t_target_tree")  # absent from a bench.json written before trees
         lines.append(f"- {mode}: t_T(1) = {1000 * passes['t_target_1']:.2f} ms, t_T(B={results['block_size']}) = "
-                     f"{1000 * passes['t_target_b']:.2f} ms, t_T(2B-1) = {1000 * passes['t_target_tree']:.2f} ms, "
-                     f"t_D(B) = {1000 * passes['t_drafter_b']:.2f} ms "
+                     f"{1000 * passes['t_target_b']:.2f} ms, "
+                     + (f"t_T(2B-1) = {1000 * tree:.2f} ms, " if tree is not None else "")
+                     + f"t_D(B) = {1000 * passes['t_drafter_b']:.2f} ms "
                      f"(measured in {passes['measure_seconds']:.1f} s)")
     return lines
 
