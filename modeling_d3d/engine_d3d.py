@@ -388,8 +388,13 @@ class SpeculativeEngine:
         """What this round verifies per row: the policy's choice; without a policy, the drafter's block (or nothing,
         the target alone)."""
         if self.policy is not None:
-            return self.policy.plan(keys, lookups, self.source is not None,
-                                    [not row.settings.do_sample for row in self.rows], self.trees)
+            greedy = [not row.settings.do_sample for row in self.rows]
+            plan = self.policy.plan(keys, lookups, self.source is not None, greedy, self.trees)
+            if any(choice == BOTH and not (self.trees and g) for choice, g in zip(plan.choices, greedy)):
+                raise RuntimeError("The verify policy chose both proposals for a row that samples, or in an engine "
+                                   "that verifies no trees (it needs a drafter and a lookup): a tree's better branch "
+                                   "is chosen by greedy matching, exact for greedy rows only")
+            return plan
         if self.source is None:
             return RoundPlan([NOTHING] * len(keys), False, 1)
         return RoundPlan([BLOCK] * len(keys), True, self.width)
@@ -423,8 +428,9 @@ class SpeculativeEngine:
         tree = proposal is not None and proposal.second is not None
         if tree:  # the second branch follows the same anchor: its logits are column 0's and its own columns
             logits, second = logits[:, : self.width], torch.cat([logits[:, :1], logits[:, self.width :]], dim=1)
-        # 4. process: each row's logits processors over the target's logits (a row whose processors fail leaves)
-        logits = self._process(logits, drafts, failed)
+        # 4. process: each row's logits processors over the target's logits it verifies (a row whose processors
+        # fail leaves)
+        logits = self._process(logits, drafts, failed, [1 if c == NOTHING else logits.shape[1] for c in choices])
         # 5. accept: greedy matching, rejection sampling for sampled rows; then the round's one device-to-host read
         sampled = [r for r, row in enumerate(self.rows) if row.settings.do_sample and r not in failed]
         mixed = 0 < len(sampled) < len(self.rows)
@@ -442,7 +448,8 @@ class SpeculativeEngine:
                 accepted, tokens = drawn
         columns = [accepted[:, None], tokens]
         if tree:  # 5b. a tree's rows (greedy) keep the branch that kept more
-            accepted, tokens, logits, branches = self._better_branch(proposal, second, accepted, tokens, logits, failed)
+            accepted, tokens, logits, branches = self._better_branch(proposal, second, accepted, tokens, logits,
+                                                                     failed, [c == BOTH for c in choices])
             columns = [accepted[:, None], tokens, branches]
         host = torch.cat(columns, dim=1).cpu().tolist()
         # 6. stop and commit: each row cut where the target alone stops; the target's cache commits what it keeps
@@ -475,29 +482,38 @@ class SpeculativeEngine:
         return outcomes
 
     def _better_branch(self, proposal: Proposal, second: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor,
-                       logits: torch.Tensor, failed: dict[int, BaseException]) -> tuple[torch.Tensor, ...]:
+                       logits: torch.Tensor, failed: dict[int, BaseException],
+                       trees: list[bool]) -> tuple[torch.Tensor, ...]:
         """Each row's better branch of a tree round: the second (`proposal.second`, the target's logits `second`
-        `(rows, B, vocab)`, processed here) where its greedy match keeps more drafts than the first's `accepted`
-        (rows without a second branch keep the first). Returns accepted `(rows,)`, tokens `(rows, B)` and logits
-        `(rows, B, vocab)` of the kept branches, and per row `[took the second, first kept, second kept]`."""
+        `(rows, B, vocab)`, processed here for the rows that verify one, `trees[r]`) where its greedy match keeps more
+        drafts than the first's `accepted` (rows without a second branch keep the first). Returns accepted `(rows,)`,
+        tokens `(rows, B)` and logits `(rows, B, vocab)` of the kept branches, and per row `[took the second, first
+        kept, second kept]`."""
         drafts = proposal.second.to(self.device)
-        second = self._process(second, drafts, failed)
+        second = self._process(second, drafts, failed, [second.shape[1] if tree else 0 for tree in trees])
         kept, kept_tokens = greedy_accept(drafts, proposal.num_second.to(self.device), second)
         take = kept > accepted
         branches = torch.stack([take.long(), accepted, kept], dim=1)
         return (torch.where(take, kept, accepted), torch.where(take[:, None], kept_tokens, tokens),
                 torch.where(take[:, None, None], second, logits), branches)
 
-    def _process(self, logits: torch.Tensor, drafts: torch.Tensor, failed: dict[int, BaseException]) -> torch.Tensor:
-        """Each row's logits processors over its logits `(width, vocab)`, position j with the row's tokens and the
-        drafts before j as context; a row whose processing fails is put in `failed` (its logits are left as they
-        are)."""
+    def _process(self, logits: torch.Tensor, drafts: torch.Tensor, failed: dict[int, BaseException],
+                 columns: list[int]) -> torch.Tensor:
+        """Each row's logits processors over the first `columns[r]` of its logits `(width, vocab)` (the ones it
+        verifies; the rest, padding, left as they are: no processor sees a context it did not verify), position j
+        with the row's tokens and the drafts before j as context; a row whose processing fails is put in `failed`
+        (its logits are left as they are)."""
         if not any(row.settings.logits_processor for row in self.rows):
             return logits
         processed = []
         for r, row in enumerate(self.rows):
+            count = columns[r]
+            if count == 0:
+                processed.append(logits[r])
+                continue
             try:
-                processed.append(process(row.settings.logits_processor, row.tokens, logits[r], drafts[r]))
+                done = process(row.settings.logits_processor, row.tokens, logits[r, :count], drafts[r])
+                processed.append(done if count == logits.shape[1] else torch.cat([done, logits[r, count:]]))
             except BaseException as error:  # this row's processing failed: it leaves, the others go on
                 if not ends_row_only(error):
                     raise

@@ -36,11 +36,13 @@ WARM_UP_PASSES = 1  # the first passes of a kind at a batch size, whose one-time
 class RoundPlan:
     """What one round verifies: `choices[r]` per row (`NOTHING`, `BLOCK`, `LOOKUP`, `BOTH`); `drafter`: whether the
     drafter's pass runs; `width`: the verify pass's columns (1; `B` when any row verifies drafts; `tree_width(B)`
-    when any row verifies both)."""
+    when any row verifies both); `alone[r]`: the one proposal (`BLOCK` or `LOOKUP`) row `r` would have verified
+    without a tree, what `observe` measures a tree's gain against (None: not recorded)."""
 
     choices: list[str]
     drafter: bool
     width: int
+    alone: list[str] | None = field(default=None, compare=False)  # what the round verifies is the rest
 
 
 @dataclass
@@ -104,6 +106,8 @@ class VerifyPolicy:
         dearer than a wide one: a slow narrow round (a pause of the process) would otherwise make every round
         draft."""
         if self.costs is not None:
+            if kind == "tree" and "tree" not in self.costs:  # not given: a tree as a wide pass, as when not measured
+                return self.costs["wide"]
             return self.costs[kind]
         if kind == "narrow":
             if not self._known("narrow", rows):
@@ -143,12 +147,13 @@ class VerifyPolicy:
         block_gain = [self.expected_block(h) if drafter else 0.0 for h in history]
         narrow, wide = self.cost("narrow", rows), self.cost("wide", rows)
         options = [(rate(rows, narrow), 0, [NOTHING] * rows)]
+        alone = None
         if any(lookups):
             options.append((rate(rows + sum(lookup_gain), wide), 1,
                             [LOOKUP if found else NOTHING for found in lookups]))
         if drafter:
             gains = [max(b, g) for b, g in zip(block_gain, lookup_gain)]
-            choices = [LOOKUP if g > b else BLOCK for b, g in zip(block_gain, lookup_gain)]
+            choices = alone = [LOOKUP if g > b else BLOCK for b, g in zip(block_gain, lookup_gain)]
             drafting = self.cost("drafter", rows) if BLOCK in choices else 0.0
             options.append((rate(rows + sum(gains), wide + drafting), 2, choices))
             branched = [trees and bool(found) and g for found, g in zip(lookups, greedy or [False] * rows)]
@@ -167,13 +172,13 @@ class VerifyPolicy:
         # estimate, learnt only from verified lookups, would otherwise never come back up)
         choices = [LOOKUP if found and choice == NOTHING and h.since_lookup >= self.lookup_interval else choice
                    for choice, found, h in zip(choices, lookups, history)]
-        return self.round_of(choices)
+        return self.round_of(choices, alone)
 
-    def round_of(self, choices: list[str]) -> RoundPlan:
-        """The `RoundPlan` of per-row `choices`: its drafter pass and verify width."""
+    def round_of(self, choices: list[str], alone: list[str] | None = None) -> RoundPlan:
+        """The `RoundPlan` of per-row `choices` (and `alone`, `RoundPlan.alone`): its drafter pass and verify width."""
         width = (tree_width(self.block_size) if BOTH in choices else self.block_size
                  if any(choice != NOTHING for choice in choices) else 1)
-        return RoundPlan(choices, BLOCK in choices or BOTH in choices, width)
+        return RoundPlan(choices, BLOCK in choices or BOTH in choices, width, alone)
 
     def observe(self, keys: list, plan: RoundPlan, accepted_drafts: list[int], verify_seconds: float,
                 drafter_seconds: float, branches: list[tuple[int, int] | None] | None = None) -> None:
@@ -183,11 +188,15 @@ class VerifyPolicy:
         self._measure({1: "narrow", self.block_size: "wide"}.get(plan.width, "tree"), rows, verify_seconds)
         if plan.drafter:
             self._measure("drafter", rows, drafter_seconds)
-        for key, choice, accepted, both in zip(keys, plan.choices, accepted_drafts, branches or [None] * rows):
+        for r, (key, choice, accepted, both) in enumerate(zip(keys, plan.choices, accepted_drafts,
+                                                             branches or [None] * rows)):
             history = self.row(key)
             if choice == BOTH and both is not None:  # both verified: each kind learns, the pool what a tree adds
-                # over the one branch this row would have verified alone (the one expected to keep more)
-                self._pool(BOTH, max(both) - (both[0] if self.expected_block(history) >= history.lookup else both[1]))
+                # over the one branch this row would have verified alone (the plan's; not recorded: the one expected
+                # to keep more)
+                alone = (plan.alone[r] if plan.alone is not None
+                         else BLOCK if self.expected_block(history) >= history.lookup else LOOKUP)
+                self._pool(BOTH, max(both) - (both[0] if alone == BLOCK else both[1]))
                 for kind, kept in zip((BLOCK, LOOKUP), both):
                     setattr(history, kind, getattr(history, kind) + rate * (kept - getattr(history, kind)))
                     self._pool(kind, kept)
@@ -340,7 +349,7 @@ def untangled(plan: RoundPlan, proposal: Proposal, lookups: list[list[int]]) -> 
         shorter = min(len(block), len(found))
         if block[:shorter] == found[:shorter]:
             choices[r] = LOOKUP if len(found) > len(block) else BLOCK
-    return RoundPlan(choices, plan.drafter, plan.width if BOTH in choices else (plan.width + 1) // 2)
+    return RoundPlan(choices, plan.drafter, plan.width if BOTH in choices else (plan.width + 1) // 2, plan.alone)
 
 
 __all__ = ["BLOCK", "BOTH", "DEFAULT_BLOCK_SIZE", "LOOKUP", "NOTHING", "RoundPlan", "RowHistory", "VerifyPolicy",

@@ -8,6 +8,8 @@ from collections import Counter
 import pytest
 import torch
 
+from transformers import LogitsProcessor, LogitsProcessorList
+
 from conftest import tiny_target
 from distribution import NEW_TOKENS, SAMPLES, VOCAB, chi_square_p_value, exact_distribution, processors
 from modeling_d3d import BlockSource, D3DForBlockDiffusion, RowSettings, SpeculativeEngine, SuccessorSource
@@ -110,6 +112,83 @@ def test_a_tree_teaches_both_kinds_and_what_a_tree_adds():
     assert history.block < block and history.lookup > lookup and history.since_block == history.since_lookup == 0
     # the block was expected to keep as much (1.5 each, the block first): the tree added the lookup's 3 over its 0
     assert policy.priors[BOTH] == pytest.approx(1.0 + 0.5 * (3 - 1.0))  # its first tree: half the way
+
+
+def test_a_tree_gains_what_it_kept_over_the_branch_the_plan_would_have_verified_alone():
+    """A one-token lookup caps what it is expected to keep: the plan would verify the block alone (1.0 expected
+    against the lookup's 1), so a tree whose block kept 2 and lookup 1 added nothing. Measured against the row's
+    uncapped lookup average (3.0), it looked like one draft more, and trees were priced too high."""
+    policy = VerifyPolicy(4, costs={"narrow": 1.0, "wide": 1.0, "tree": 1.0, "drafter": 0.0}, pooling=0.0)
+    policy.priors[BOTH] = 0.0
+    history = policy.row(0)
+    history.block, history.lookup = 1.0, 3.0
+    plan = policy.plan([0], [[5]], True, greedy=[True], trees=True)
+    assert plan.choices == [BOTH] and plan.alone == [BLOCK]
+    policy.observe([0], plan, [2], 1.0, 0.0, [(2, 1)])
+    assert policy.priors[BOTH] == 0.0
+
+
+def test_given_costs_that_name_no_tree_price_a_tree_as_a_wide_pass():
+    """Costs given before trees existed (no "tree"): a tree costs a wide pass, as when not measured yet."""
+    policy = VerifyPolicy(4, costs={"narrow": 1.0, "wide": 1.0, "drafter": 0.0})
+    assert policy.cost("tree", 1) == 1.0
+    assert policy.plan([0], [[5, 6]], True, greedy=[True], trees=True).choices == [BOTH]
+
+
+class NoZero(LogitsProcessor):
+    """Bans token 0 and fails on a context holding one: these rows' prompts, drafts and lookups never do, so only
+    columns a row does not verify (zero padding) could show it one."""
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if (input_ids == 0).any():
+            raise ValueError("a context this row never verified reached its processor")
+        return scores.index_fill(-1, torch.tensor([0], device=scores.device), float("-inf"))
+
+
+def test_processors_see_only_the_columns_their_row_verifies(sampling_models):
+    """Rows verifying nothing in a wide round, and rows beside a tree, are not in the padding columns' contexts:
+    their processors run on the columns they verify only (a processor that reads its context, here one that
+    fails on the padding's token 0, ended such rows before), and every output is `generate`'s."""
+    target, drafter, _ = sampling_models
+    settings = RowSettings(12, logits_processor=LogitsProcessorList([NoZero()]))
+    engine = SpeculativeEngine(target, BlockSource(drafter), max_rows=3, max_length=64,
+                               lookup=LookupSource(4, min_ngram=2), policy=EveryChoice(4))
+    prompts = [REPEATING, REPEATING[2:], REPEATING[:-3]]
+    outputs = {}
+    try:
+        for key, prompt in enumerate(prompts):
+            engine.add(key, prompt, settings)
+        while len(engine):
+            for outcome in engine.step():
+                assert outcome.error is None, outcome.error
+                outputs.setdefault(outcome.key, []).extend(outcome.added)
+    finally:
+        engine.close()
+    assert set(engine.round_record.verified) == {NOTHING, BLOCK, LOOKUP, BOTH}
+    for key, prompt in enumerate(prompts):
+        reference = target.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                    logits_processor=LogitsProcessorList([NoZero()]))
+        assert outputs[key] == reference[0, len(prompt):].tolist()
+
+
+class SampledTrees(VerifyPolicy):
+    """A broken policy: a tree for every row, sampled or not."""
+
+    def plan(self, keys, lookups, drafter, greedy=None, trees=False):
+        return self.round_of([BOTH] * len(keys))
+
+
+def test_a_policy_choosing_a_tree_for_a_sampled_row_is_refused(sampling_models):
+    """A tree's better branch is picked by greedy matching: for a sampled row it would not be exact."""
+    target, drafter, _ = sampling_models
+    engine = SpeculativeEngine(target, BlockSource(drafter), max_rows=1, max_length=64,
+                               lookup=LookupSource(4, min_ngram=2), policy=SampledTrees(4))
+    try:
+        engine.add(0, REPEATING, RowSettings(4, True, logits_processor=processors(), seed=0))
+        with pytest.raises(RuntimeError, match="both proposals for a row that samples"):
+            engine.step()
+    finally:
+        engine.close()
 
 
 def test_a_row_that_skipped_the_drafter_verifies_its_block_again_less_often_while_probes_keep_nothing():
