@@ -127,7 +127,7 @@ class D3DAssistant:
         """A new session (a new `generate` call, or a longer one than the cache holds): allocate and prefill."""
         self._capacity = max(capacity or 0, len(context) + INITIAL_CAPACITY)
         self.source.allocate(1, self._capacity + 1)
-        self.source.add(0, context)
+        self.source.add(0, [context])
         processors = LogitsProcessorList(logits_processor or [])
         device = processors_device(processors)
         generator = torch.Generator(device=device or self.source.device).manual_seed(

@@ -286,30 +286,43 @@ class SpeculativeEngine:
     @torch.no_grad()
     def add(self, key: Hashable, prompt: list[int], settings: RowSettings, drafter_prompt: list[int] | None = None) -> None:
         """Prefill `prompt` (all but its last token) in the target and the drafter's prompt in the drafter (the same
-        unless given: selective prefill), alone, and join the batch."""
-        self.check_request(prompt, settings, drafter_prompt)
-        if drafter_prompt is not None and drafter_prompt[-1] != prompt[-1]:
-            raise ValueError("The drafter's prompt must end with the target's last prompt token (the first anchor)")
-        if any(row.key == key for row in self.rows):
-            raise ValueError(f"A row with key {key!r} is already in the batch")
-        if len(self.rows) == self.max_rows:
-            raise ValueError(f"The engine holds {self.max_rows} rows already")
+        unless given: selective prefill), and join the batch (`add_rows` of one request)."""
+        self.add_rows([(key, prompt, settings, drafter_prompt)])
+
+    @torch.no_grad()
+    def add_rows(self, requests: list[tuple[Hashable, list[int], RowSettings, list[int] | None]]) -> None:
+        """`add` for each request `(key, prompt, settings, drafter_prompt)`, every one checked before any joins; the
+        new rows take their slots shortest prompt first, so that rows of similar lengths share a prefill pass
+        (`passes_d3d.prefill`). Each row's random draws are seeded in the order of `requests`."""
+        keys = [key for key, *_ in requests]
+        for key, prompt, settings, drafter_prompt in requests:
+            self.check_request(prompt, settings, drafter_prompt)
+            if drafter_prompt is not None and drafter_prompt[-1] != prompt[-1]:
+                raise ValueError("The drafter's prompt must end with the target's last prompt token (the first anchor)")
+            if keys.count(key) > 1 or any(row.key == key for row in self.rows):
+                raise ValueError(f"A row with key {key!r} is already in the batch")
+        if len(self.rows) + len(requests) > self.max_rows:
+            asked = f" ({len(self.rows)}, and {len(requests)} more asked)" if len(requests) > 1 else ""
+            raise ValueError(f"The engine holds {self.max_rows} rows already{asked}")
+        rows = sorted((self._new_row(*request) for request in requests), key=lambda row: len(row.prompt))
+        start, first = time.perf_counter(), len(self.rows)
+        prefill(self.target, self.cache, first, [row.prompt[:-1] for row in rows])
+        for each in (self.source, self.lookup):
+            if each is not None:
+                each.add(first, [row.drafter_context for row in rows])
+        synchronize(self.device)
+        self.round_record.prefill_seconds += time.perf_counter() - start
+        self.rows.extend(rows)
+
+    def _new_row(self, key: Hashable, prompt: list[int], settings: RowSettings, drafter_prompt: list[int] | None) -> Row:
+        """A checked request's `Row`, its generators seeded from `settings.seed` (None: a draw from torch's)."""
         seed = settings.seed if settings.seed is not None else int(torch.randint(2**62, (1,)))
-        row = Row(  # the row's processors were built on the target's device: its drafter logits are processed there
+        return Row(  # the row's processors were built on the target's device: its drafter logits are processed there
             key, list(prompt), list(drafter_prompt or prompt), settings,
             RowSampling(settings.logits_processor, settings.do_sample,
                         torch.Generator(device=self.device).manual_seed(2 * seed), self.device),
             torch.Generator(device=self.device).manual_seed(2 * seed + 1),
         )
-        start = time.perf_counter()
-        slot = len(self.rows)
-        prefill(self.target, self.cache, slot, row.prompt[:-1])
-        for each in (self.source, self.lookup):
-            if each is not None:
-                each.add(slot, row.drafter_context)
-        synchronize(self.device)
-        self.round_record.prefill_seconds += time.perf_counter() - start
-        self.rows.append(row)
 
     def remove(self, keys: set[Hashable]) -> None:
         """Drop the rows whose key is in `keys` (cancelled requests)."""

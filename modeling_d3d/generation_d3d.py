@@ -137,10 +137,10 @@ def speculative_generate(
         drafter.round_record = engine.round_record
     generated: dict[int, list[int]] = {r: [] for r in range(batch)}
     try:
-        for r, prompt in enumerate(prompts):
-            engine.add(r, prompt.tolist(), row_settings(model, generation_config, prompt.tolist(), logits_processor,
-                                                        stopping_criteria, prepared_width=input_ids.shape[1],
-                                                        synced_gpus=synced_gpus), drafter_prompt)
+        engine.add_rows([(r, prompt.tolist(), row_settings(model, generation_config, prompt.tolist(), logits_processor,
+                                                           stopping_criteria, prepared_width=input_ids.shape[1],
+                                                           synced_gpus=synced_gpus), drafter_prompt)
+                         for r, prompt in enumerate(prompts)])
         if put_prompt:
             streamer.put(input_ids.cpu())
         for outcomes in engine.rounds():

@@ -80,9 +80,10 @@ class LookupSource:
     def allocate(self, slots: int, capacity: int) -> None:
         self.rows = [None] * slots
 
-    def add(self, slot: int, context: list[int]) -> None:
-        self.rows[slot] = NgramIndex(self.max_ngram)
-        self.rows[slot].extend(context)
+    def add(self, first_slot: int, contexts: list[list[int]]) -> None:
+        for slot, context in enumerate(contexts, first_slot):
+            self.rows[slot] = NgramIndex(self.max_ngram)
+            self.rows[slot].extend(context)
 
     def move(self, from_slot: int, to_slot: int) -> None:
         self.rows[to_slot] = self.rows[from_slot]

@@ -301,15 +301,38 @@ def fixed_shapes(forward) -> bool:
     return getattr(forward, "fixed_shapes", False)
 
 
-def prefill(model, cache: StaticKVCache, slot: int, tokens: list[int], start: int = 0) -> None:
-    """Commit `tokens` (a prompt without its last token) to cache row `slot`, alone, in one eager pass over those
-    from `start` on (the row's cache holds the ones before): `cache.committed[slot]` becomes their count."""
-    if tokens[start:]:
-        run_pass(model, cache, PassLayout.causal(torch.tensor([tokens[start:]]), torch.tensor([start])), 1,
-                 first_row=slot)
-    cache.commit(slot, len(tokens))
+PADDING_WASTE = 1.25  # a prefill pass pads its rows to its longest: a group of rows grows while its columns stay
+# within this factor of its tokens (ragged prompts on a compute-bound device must not pay much for padding)
+
+
+def prefill(model, cache: StaticKVCache, first_slot: int, token_rows: list[list[int]], start: int = 0) -> None:
+    """Commit `token_rows[i]` (prompts without their last token) to cache row `first_slot + i`, from column `start` on
+    (the rows hold the ones before), in one eager pass per group of consecutive rows (`prefill_groups`), each row
+    right-padded to its group's longest: a padding column writes past its row's end, which nothing has committed
+    and no real column sees (the next pass overwrites it). `cache.committed[first_slot + i]` becomes
+    `len(token_rows[i])`."""
+    for first, count in prefill_groups([len(tokens) - start for tokens in token_rows]):
+        tails = [tokens[start:] for tokens in token_rows[first : first + count]]
+        width = max(len(tail) for tail in tails)
+        if width:
+            ids = torch.tensor([tail + [0] * (width - len(tail)) for tail in tails])
+            run_pass(model, cache, PassLayout.causal(ids, torch.full((count,), start)), 1, first_row=first_slot + first)
+    for i, tokens in enumerate(token_rows):
+        cache.commit(first_slot + i, len(tokens))
+
+
+def prefill_groups(lengths: list[int]) -> list[tuple[int, int]]:
+    """Consecutive groups `(first, count)` of rows of `lengths` tokens, each as long as its padded columns (`count`
+    times its longest) stay within `PADDING_WASTE` times its tokens."""
+    groups, first = [], 0
+    for end in range(1, len(lengths) + 1):
+        grown = lengths[first : end + 1]
+        if end == len(lengths) or len(grown) * max(grown) > PADDING_WASTE * sum(grown):
+            groups.append((first, end - first))
+            first = end
+    return groups
 
 
 __all__ = ["CompiledForward", "CompiledPasses", "PASS_KINDS", "PassLayout", "PassLayoutBuilder", "compiled_forward",
-           "compiled_passes", "fixed_shapes", "mark_dynamic_inputs", "pass_function", "prefill",
+           "compiled_passes", "fixed_shapes", "mark_dynamic_inputs", "pass_function", "prefill", "prefill_groups",
            "release_compiled_passes", "run_pass"]

@@ -284,14 +284,22 @@ class D3DBatchServer:
             free = self.max_batch_size - len(self._queues.active)
             admitted, self._queues.waiting = waiting[:free], waiting[free:]
         self.engine.remove(cancelled)
+        joining = []
         for handle in admitted:
             try:
-                self.engine.add(handle.request_id, handle.prompt, handle.settings)
+                self.engine.check_request(handle.prompt, handle.settings)
             except Exception as error:  # this request cannot join: it fails, the others go on
                 handle._fail(error)
                 continue
-            with self._condition:
-                self._queues.active[handle.request_id] = handle
+            joining.append(handle)
+        try:  # one prefill pass for requests of similar lengths
+            self.engine.add_rows([(handle.request_id, handle.prompt, handle.settings, None) for handle in joining])
+        except Exception as error:  # checked above: a prefill that failed fails the requests it was for
+            for handle in joining:
+                handle._fail(error)
+            joining = []
+        with self._condition:
+            self._queues.active.update((handle.request_id, handle) for handle in joining)
         self._round()
         return True
 

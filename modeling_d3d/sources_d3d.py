@@ -70,8 +70,8 @@ class DrafterSource(Protocol):
     def allocate(self, slots: int, capacity: int) -> None:
         """Caches for `slots` rows of contexts up to `capacity` tokens."""
 
-    def add(self, slot: int, context: list[int]) -> None:
-        """Prefill a new row's context (all but its anchor) in `slot`."""
+    def add(self, first_slot: int, contexts: list[list[int]]) -> None:
+        """Prefill new rows' contexts (all but their anchors) in slots `first_slot..`."""
 
     def move(self, from_slot: int, to_slot: int) -> None:
         """A row changes slot (an earlier row left)."""
@@ -141,7 +141,7 @@ def catch_up(drafter, cache: StaticKVCache, contexts: list[list[int]], forward) 
     block_size = drafter.config.block_size
     for slot, context in enumerate(contexts):
         if len(context) - 1 - cache.committed[slot] > block_size:
-            prefill(drafter, cache, slot, context[:-1], start=cache.committed[slot])
+            prefill(drafter, cache, slot, [context[:-1]], start=cache.committed[slot])
 
 
 def commit_before_anchors(cache: StaticKVCache, contexts: list[list[int]]) -> None:
@@ -189,8 +189,8 @@ class BlockSource:
             self.passes.caches.put(self.cache)
             self.cache = None
 
-    def add(self, slot: int, context: list[int]) -> None:
-        prefill(self.drafter, self.cache, slot, context[:-1])
+    def add(self, first_slot: int, contexts: list[list[int]]) -> None:
+        prefill(self.drafter, self.cache, first_slot, [context[:-1] for context in contexts])
 
     def move(self, from_slot: int, to_slot: int) -> None:
         self.cache.move_row(from_slot, to_slot)

@@ -159,10 +159,11 @@ class SuccessorSource(BlockSource):
         super().allocate(slots, capacity)
         self.branches = [None] * slots
 
-    def add(self, slot: int, context: list[int]) -> None:
+    def add(self, first_slot: int, contexts: list[list[int]]) -> None:
         self.wait()
-        super().add(slot, context)
-        self.branches[slot] = None
+        super().add(first_slot, contexts)
+        for slot in range(first_slot, first_slot + len(contexts)):
+            self.branches[slot] = None
 
     def move(self, from_slot: int, to_slot: int) -> None:
         self.wait()

@@ -302,8 +302,7 @@ def test_rejection_sample_draws_from_p_and_fails_when_the_drafts_do_not_come_fro
 
 def prefilled_cache(drafter, contexts: list[list[int]], cached: list[int]) -> StaticKVCache:
     cache = StaticKVCache(drafter.config, len(contexts), 128, torch.device("cpu"), drafter.dtype)
-    for slot, (context, start) in enumerate(zip(contexts, cached)):
-        prefill(drafter, cache, slot, context[:start])
+    prefill(drafter, cache, 0, [context[:start] for context, start in zip(contexts, cached)])
     return cache
 
 
@@ -353,8 +352,7 @@ def test_every_branch_a_successor_source_prepares_equals_block_drafting_from_its
     contexts = [torch.randint(0, 96, (n,), generator=generator).tolist() for n in (11, 1, 6)]
     with SuccessorSource(drafter, coverage, fanout) as source:
         source.allocate(3, 64)
-        for slot, context in enumerate(contexts):
-            source.add(slot, context)
+        source.add(0, contexts)
         proposal = source.propose(contexts, [RowSampling() for _ in contexts])
         source.observe(contexts, [[], [], []])
         m = block_size - 1
@@ -443,6 +441,14 @@ def test_bad_input_is_refused_with_a_clear_error():
         decoder.add(0, [3], RowSettings(5))
     with pytest.raises(ValueError, match="holds 1 rows"):
         decoder.add(1, [3], RowSettings(5))
+    decoder = engine_for(target, drafter, max_rows=3, max_length=64)
+    with pytest.raises(ValueError, match="key 0 is already"):  # one bad request: none joins
+        decoder.add_rows([(0, [1, 2], RowSettings(5), None), (0, [3], RowSettings(5), None)])
+    with pytest.raises(ValueError, match="token ids"):
+        decoder.add_rows([(0, [1, 2], RowSettings(5), None), (1, [12], RowSettings(5), None)])
+    with pytest.raises(ValueError, match="holds 3 rows already"):
+        decoder.add_rows([(key, [1, 2], RowSettings(5), None) for key in range(4)])
+    assert len(decoder) == 0
     with pytest.raises(ValueError, match="drafter="):
         target.generate(torch.tensor([[1, 2]]), max_new_tokens=2, custom_generate=speculative_generate,
                         asynchronous=True)
@@ -576,3 +582,24 @@ def test_a_criterion_that_fires_before_an_eos_in_the_same_round_stops_there():
     assert SpeculativeEngine._stop(row, [5, 6, 7, 8, 9], logits) == ([5, 6], True)
     assert SpeculativeEngine._stop(row, [5, 8, 6, 9], logits) == ([5, 8], True)
     assert SpeculativeEngine._stop(row, [5, 7, 9], logits) == ([5, 7, 9], False)
+
+
+def test_requests_of_similar_lengths_share_one_prefill_pass_and_decode_as_alone():
+    """`add_rows`: eight prompts of 10-12 tokens and two of 30 are prefilled in two target passes (and two drafter
+    passes), not ten, and every row decodes to what the target alone gives it."""
+    target, drafter = pair(3, 4, 32)
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 32, (n,), generator=generator).tolist() for n in (11, 30, 10, 12, 12, 11, 10, 31, 12, 10)]
+    calls = {"target": 0, "drafter": 0}
+    hooks = [model.register_forward_pre_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
+             for name, model in (("target", target), ("drafter", drafter))]
+    decoder = engine_for(target, drafter, max_rows=len(prompts), max_length=64)
+    try:
+        decoder.add_rows([(key, prompt, RowSettings(8), None) for key, prompt in enumerate(prompts)])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert calls == {"target": 2, "drafter": 2}
+    outputs = {}
+    assert drive(decoder, outputs) == {}
+    assert outputs == {key: alone(target, prompt, 8) for key, prompt in enumerate(prompts)}

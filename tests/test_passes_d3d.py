@@ -12,7 +12,7 @@ from conftest import left_pad, tiny_target
 from modeling_d3d import D3DForBlockDiffusion, RoundRecord, passes_d3d
 from modeling_d3d.caches_d3d import StaticKVCache
 from modeling_d3d.generation_d3d import speculative_generate
-from modeling_d3d.passes_d3d import (PASS_KINDS, CompiledPasses, PassLayout, compiled_passes, prefill,
+from modeling_d3d.passes_d3d import (PASS_KINDS, CompiledPasses, PassLayout, compiled_passes, prefill, prefill_groups,
                                      release_compiled_passes, run_pass)
 from modeling_d3d.shapes_d3d import COMPILE_LENGTH_BUCKET, attended_columns, engine_size
 from modeling_d3d.successor_d3d import successor_pass
@@ -145,7 +145,7 @@ def test_a_fixed_shape_successor_pass_has_one_width_whatever_the_drafts():
     cache = StaticKVCache(drafter.config, 2, 128, "cpu", drafter.dtype)
     logits_shapes = set()
     for count in range(1, BLOCK):
-        prefill(drafter, cache, 0, context[:-1])
+        prefill(drafter, cache, 0, [context[:-1]])
         drafts = [6] * count
         anchors = [(7, j) for j in range(min(COVERAGE - 1, count)) for _ in range(FANOUT)] + [(drafts[-1], count - 1)]
         logits = successor_pass(drafter, cache, [context], [len(context) - 1], [drafts], [anchors], forward, most)
@@ -348,8 +348,7 @@ def test_eager_passes_under_the_cuda_rule_attend_over_whole_buckets_and_stay_exa
 
     def step_logits(starts: list[int]) -> torch.Tensor:  # one decoding step of rows with `starts` tokens cached
         cache = StaticKVCache(target.config, len(starts), 300, "cpu", target.dtype)
-        for slot, start in enumerate(starts):
-            prefill(target, cache, slot, context[:start])
+        prefill(target, cache, 0, [context[:start] for start in starts])
         step = PassLayout.causal(torch.tensor([[context[start]] for start in starts]), torch.tensor(starts))
         return run_pass(target, cache, step, 1)
 
@@ -364,3 +363,27 @@ def test_eager_passes_under_the_cuda_rule_attend_over_whole_buckets_and_stay_exa
     monkeypatch.undo()
     assert torch.equal(output, target.generate(ids, attention_mask=mask, **settings))
     assert sum(widened) > len(widened) // 2
+
+
+def test_prefill_groups_rows_while_padding_stays_small():
+    assert prefill_groups([5, 5, 6, 20, 21, 0]) == [(0, 3), (3, 2), (5, 1)]
+    assert prefill_groups([4] * 8) == [(0, 8)] and prefill_groups([]) == [] and prefill_groups([0, 0]) == [(0, 2)]
+
+
+def test_rows_prefilled_together_hold_what_each_prefilled_alone_holds():
+    """Right-padded rows of one prefill pass: each row's committed keys and values are the ones a pass over that row
+    alone writes (its padding columns lie past its end, which no real column sees)."""
+    target, _ = pair(5)
+    generator = torch.Generator().manual_seed(0)
+    vocab = target.config.vocab_size
+    rows = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in (9, 10, 10, 12, 3, 0)]
+    together = StaticKVCache(target.config, len(rows), 64, "cpu", target.dtype)
+    prefill(target, together, 0, rows)
+    alone = StaticKVCache(target.config, len(rows), 64, "cpu", target.dtype)
+    for slot, tokens in enumerate(rows):
+        prefill(target, alone, slot, [tokens])
+    assert together.committed == alone.committed == tuple(len(tokens) for tokens in rows)
+    for buffers, expected in ((together.keys, alone.keys), (together.values, alone.values)):
+        for layer, reference in zip(buffers, expected):
+            for slot, tokens in enumerate(rows):
+                torch.testing.assert_close(layer[slot, :, : len(tokens)], reference[slot, :, : len(tokens)])

@@ -54,11 +54,10 @@ def test_a_lookup_index_grown_round_by_round_equals_one_built_at_once():
 def test_lookup_drafts_come_from_each_rows_own_text():
     source = LookupSource(block_size=4, min_ngram=2)
     source.allocate(2, 64)
-    source.add(0, REPEATING)
-    source.add(1, [3, 3, 4])
+    source.add(0, [REPEATING, [3, 3, 4]])
     assert source.propose([REPEATING, [3, 3, 4]]) == [[2, 7, 3], []]
     source.move(0, 1)  # row 0 left: row 1 moved up, a new row joins
-    source.add(1, [9])
+    source.add(1, [[9]])
     assert source.propose([REPEATING + [2], [9]]) == [[7, 3, 1], []]
 
 

@@ -118,7 +118,7 @@ def successor_pass_seconds(drafter, prefix: list[int], budgets: list[tuple[int, 
     for coverage, fanout in budgets:
         with SuccessorSource(drafter, coverage, fanout) as source:
             source.allocate(1, len(prefix) + 2 * repeats + 4)
-            source.add(0, prefix)
+            source.add(0, [prefix])
             context = list(prefix)
 
             def round_trip():
