@@ -303,6 +303,8 @@ def fixed_shapes(forward) -> bool:
 
 PADDING_WASTE = 1.25  # a prefill pass pads its rows to its longest: a group of rows grows while its columns stay
 # within this factor of its tokens (ragged prompts on a compute-bound device must not pay much for padding)
+GROUP_COLUMNS = 8192  # and while its columns (rows x longest) stay within this many: a pass's attention mask holds
+# columns x attended columns entries, so long prompts prefill a few rows at a time (one 4k-token row is a group)
 
 
 def prefill(model, cache: StaticKVCache, first_slot: int, token_rows: list[list[int]], start: int = 0) -> None:
@@ -323,11 +325,12 @@ def prefill(model, cache: StaticKVCache, first_slot: int, token_rows: list[list[
 
 def prefill_groups(lengths: list[int]) -> list[tuple[int, int]]:
     """Consecutive groups `(first, count)` of rows of `lengths` tokens, each as long as its padded columns (`count`
-    times its longest) stay within `PADDING_WASTE` times its tokens."""
+    times its longest) stay within `PADDING_WASTE` times its tokens and within `GROUP_COLUMNS`."""
     groups, first = [], 0
     for end in range(1, len(lengths) + 1):
         grown = lengths[first : end + 1]
-        if end == len(lengths) or len(grown) * max(grown) > PADDING_WASTE * sum(grown):
+        columns = len(grown) * max(grown)
+        if end == len(lengths) or columns > PADDING_WASTE * sum(grown) or columns > GROUP_COLUMNS:
             groups.append((first, end - first))
             first = end
     return groups

@@ -368,6 +368,7 @@ def test_eager_passes_under_the_cuda_rule_attend_over_whole_buckets_and_stay_exa
 def test_prefill_groups_rows_while_padding_stays_small():
     assert prefill_groups([5, 5, 6, 20, 21, 0]) == [(0, 3), (3, 2), (5, 1)]
     assert prefill_groups([4] * 8) == [(0, 8)] and prefill_groups([]) == [] and prefill_groups([0, 0]) == [(0, 2)]
+    assert prefill_groups([4096] * 5) == [(0, 2), (2, 2), (4, 1)]  # long prompts: a few rows a pass (mask memory)
 
 
 def test_rows_prefilled_together_hold_what_each_prefilled_alone_holds():
