@@ -256,7 +256,8 @@ def sampling_models():
 @pytest.mark.parametrize("kind,names", [("sync", ("short", "long")), ("async", ("long",))])  # async: half, for time
 def test_each_sampled_row_follows_the_target_distribution(sampling_models, kind, names):
     """Rows of prompts of different lengths, decoded together with rows joining as others finish (continuous
-    batching), each with its own seed: per prompt, a chi-square test against the exact distribution."""
+    batching, the joining rows prefilled together: `add_rows`), each with its own seed: per prompt, a chi-square test
+    against the exact distribution."""
     target, drafter = sampling_models
     prompts = {"short": PROMPT[0].tolist(), "long": [3, 1, 4, 1, 5, 2, 6, 5, 3, 5, 7]}
     prompts = {name: prompts[name] for name in names}
@@ -264,10 +265,10 @@ def test_each_sampled_row_follows_the_target_distribution(sampling_models, kind,
     queue = [(name, index) for index in range(SAMPLES) for name in prompts]
     decoder, outputs = engine_for(target, drafter, kind), {}
     while queue or len(decoder):
-        while queue and len(decoder) < 64:
-            name, index = queue.pop()
-            decoder.add((name, index), prompts[name], RowSettings(NEW_TOKENS, True, logits_processor=processors(),
-                                                                   seed=index * 2 + (name == "long")))
+        joining = [queue.pop() for _ in range(min(len(queue), 64 - len(decoder)))]
+        decoder.add_rows([((name, index), prompts[name], RowSettings(NEW_TOKENS, True, logits_processor=processors(),
+                                                                      seed=index * 2 + (name == "long")), None)
+                          for name, index in joining])
         for outcome in decoder.step():
             assert outcome.error is None
             outputs.setdefault(outcome.key, []).extend(outcome.added)

@@ -305,9 +305,9 @@ def sampled_counts(target, drafter, kind: str) -> tuple[Counter, SpeculativeEngi
     try:
         engine.add(("greedy", greedy), REPEATING, RowSettings(NEW_TOKENS))
         while queue or any(isinstance(row.key, int) for row in engine.rows):
-            while queue and len(engine) < 65:
-                index = queue.pop()
-                engine.add(index, REPEATING, RowSettings(NEW_TOKENS, True, logits_processor=processors(), seed=index))
+            joining = [queue.pop() for _ in range(min(len(queue), 65 - len(engine)))]  # prefilled together
+            engine.add_rows([(index, REPEATING, RowSettings(NEW_TOKENS, True, logits_processor=processors(), seed=index),
+                              None) for index in joining])
             for outcome in engine.step():
                 assert outcome.error is None
                 if not isinstance(outcome.key, int):
