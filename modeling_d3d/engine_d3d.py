@@ -293,7 +293,10 @@ class SpeculativeEngine:
     def add_rows(self, requests: list[tuple[Hashable, list[int], RowSettings, list[int] | None]]) -> None:
         """`add` for each request `(key, prompt, settings, drafter_prompt)`, every one checked before any joins; the
         new rows take their slots shortest prompt first, so that rows of similar lengths share a prefill pass
-        (`passes_d3d.prefill`). Each row's random draws are seeded in the order of `requests`."""
+        (`passes_d3d.prefill`). Each row's random draws are seeded in the order of `requests`. No request: nothing
+        runs (no device synchronisation)."""
+        if not requests:
+            return
         keys = [key for key, *_ in requests]
         for key, prompt, settings, drafter_prompt in requests:
             self.check_request(prompt, settings, drafter_prompt)

@@ -284,22 +284,14 @@ class D3DBatchServer:
             free = self.max_batch_size - len(self._queues.active)
             admitted, self._queues.waiting = waiting[:free], waiting[free:]
         self.engine.remove(cancelled)
-        joining = []
-        for handle in admitted:
-            try:
-                self.engine.check_request(handle.prompt, handle.settings)
-            except Exception as error:  # this request cannot join: it fails, the others go on
+        try:  # each checked by `submit`; one prefill pass per group of similar lengths
+            self.engine.add_rows([(handle.request_id, handle.prompt, handle.settings, None) for handle in admitted])
+        except Exception as error:  # a prefill that failed fails the requests it was for; the others go on
+            for handle in admitted:
                 handle._fail(error)
-                continue
-            joining.append(handle)
-        try:  # one prefill pass for requests of similar lengths
-            self.engine.add_rows([(handle.request_id, handle.prompt, handle.settings, None) for handle in joining])
-        except Exception as error:  # checked above: a prefill that failed fails the requests it was for
-            for handle in joining:
-                handle._fail(error)
-            joining = []
+            admitted = []
         with self._condition:
-            self._queues.active.update((handle.request_id, handle) for handle in joining)
+            self._queues.active.update((handle.request_id, handle) for handle in admitted)
         self._round()
         return True
 

@@ -595,6 +595,8 @@ def test_requests_of_similar_lengths_share_one_prefill_pass_and_decode_as_alone(
     hooks = [model.register_forward_pre_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
              for name, model in (("target", target), ("drafter", drafter))]
     decoder = engine_for(target, drafter, max_rows=len(prompts), max_length=64)
+    decoder.add_rows([])  # the server's loop with nothing admitted: nothing runs, nothing is timed
+    assert len(decoder) == 0 and decoder.round_record.prefill_seconds == 0.0
     try:
         decoder.add_rows([(key, prompt, RowSettings(8), None) for key, prompt in enumerate(prompts)])
     finally:
