@@ -6,6 +6,8 @@ until every row ends. Batches of left-padded prompts, greedy and sampling, strea
 custom stopping criteria, EOS and `max_new_tokens` behave as in the target's own `generate`.
 """
 
+from collections.abc import Hashable
+
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -53,18 +55,27 @@ def make_source(drafter, asynchronous: bool, coverage, fanout, drafter_device, w
     return BlockSource(drafter, passes=passes)
 
 
+def drafting_of(source) -> Hashable:
+    """How `source` drafts, for the verify policy's costs (`policy_d3d.policy_for`): `"sync"` (also without a
+    source), or `("async", C, F)`, asynchronous drafting at its budget."""
+    if isinstance(source, SuccessorSource):
+        return ("async", source.coverage, source.fanout)
+    return "sync"
+
+
 def build_engine(model, source, rows: int, max_length: int, compile: bool = False, lookup=False,
-                 policy=None, verification: str = "block") -> SpeculativeEngine:
-    """The engine `speculative_generate` decodes `rows` prompts of up to `max_length` tokens with (compiled: sized by
-    `shapes_d3d.engine_size`); lookup, policy: see `policy_d3d.make_chooser`; verification: see the engine; `source`
-    is closed if the engine cannot be built."""
+                 policy=None, verification: str = "block", keep_rounds: int = 100_000) -> SpeculativeEngine:
+    """The engine that decodes `rows` prompts of up to `max_length` tokens (compiled: sized by
+    `shapes_d3d.engine_size`); lookup, policy: see `policy_d3d.make_chooser` (a policy kept on the drafter, else on
+    `model`, per mode and `drafting_of(source)`); verification, keep_rounds: see the engine; `source` is closed if the
+    engine cannot be built."""
     if compile:
         rows, max_length = engine_size(rows, max_length, compiled_passes(model).fixed_shapes)
     try:
         lookup, policy = make_chooser(lookup, policy, source.block_size if source is not None else None,
-                                      source.drafter if source is not None else model, compile)
+                                      source.drafter if source is not None else model, compile, drafting_of(source))
         return SpeculativeEngine(model, source, max_rows=rows, max_length=max_length, compile=compile, lookup=lookup,
-                                 policy=policy, verification=verification)
+                                 policy=policy, verification=verification, keep_rounds=keep_rounds)
     except BaseException:
         if source is not None:
             source.close()
@@ -171,5 +182,5 @@ def pad_outputs(input_ids: torch.LongTensor, generated: dict[int, list[int]], ge
     return torch.cat([input_ids, tail.to(input_ids.device)], dim=1)
 
 
-__all__ = ["build_engine", "front_door_kwargs", "make_source", "pad_outputs",
+__all__ = ["build_engine", "drafting_of", "front_door_kwargs", "make_source", "pad_outputs",
            "speculative_generate"]

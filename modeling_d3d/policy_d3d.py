@@ -20,6 +20,7 @@ with the other's (`untangled`: a function of the drafts, which are the argmax fo
 `tests/test_policy_d3d.py` shows a chooser that peeks failing the χ² test.
 """
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import torch
@@ -253,26 +254,29 @@ def rate(tokens: float, seconds: float) -> float:
 DEFAULT_BLOCK_SIZE = 16  # the verify width of prompt lookup without a drafter
 
 
-def policy_for(model, block_size: int, compiled: bool, lookup: bool = False) -> VerifyPolicy:
+def policy_for(model, block_size: int, compiled: bool, lookup: bool = False,
+               drafting: Hashable = "sync") -> VerifyPolicy:
     """The `VerifyPolicy` kept on `model` (the drafter, else the target) in `model.d3d_verify_policies`, one per block
-    size, mode (compiled passes cost other seconds than eager ones) and chooser (with a lookup or not: beside a
-    lookup, the drafter's block is verified where no good lookup was found, and keeps less there than on average),
-    made on first use: what it measured and learnt serves the next call. Keys of rows are the engine's own objects,
-    so engines sharing it do not mix their rows."""
+    size, mode (compiled passes cost other seconds than eager ones), drafting (`"sync"`, or asynchronous drafting's
+    budget `("async", C, F)`: a worker drafting beside the target slows its passes, 3.4x a wide pass at one row on a
+    2-core CPU, and hides most of the drafter's) and chooser (with a lookup or not: beside a lookup, the drafter's
+    block is verified where no good lookup was found, and keeps less there than on average), made on first use: what
+    it measured and learnt serves the next call of the same kind. Keys of rows are the engine's own objects, so
+    engines sharing it do not mix their rows."""
     policies = model.__dict__.setdefault("d3d_verify_policies", {})
-    return policies.setdefault((block_size, compiled, lookup), VerifyPolicy(block_size))
+    return policies.setdefault((block_size, compiled, lookup, drafting), VerifyPolicy(block_size))
 
 
-def make_chooser(lookup, policy, block_size: int | None, holder=None,
-                 compiled: bool = False) -> tuple[LookupSource | None, "VerifyPolicy | None"]:
+def make_chooser(lookup, policy, block_size: int | None, holder=None, compiled: bool = False,
+                 drafting: Hashable = "sync") -> tuple[LookupSource | None, "VerifyPolicy | None"]:
     """The front doors' settings as engine parts. lookup: False, True (up to `B - 1` drafts a round) or an integer
     (at most that many); policy: None or True (a `VerifyPolicy`: the default whenever there is a drafter or a
     lookup), a `VerifyPolicy`, or False (the drafter's whole block every round, the paper's rule). Lookup needs the
     policy (it decides when a lookup is worth verifying). block_size: the drafter's (None: no drafter,
-    `DEFAULT_BLOCK_SIZE`); holder: the model that keeps a policy made here across calls (`policy_for`, per mode:
-    `compiled`, and per chooser; None: a new one). Returns (None, None) with neither a drafter nor a lookup (the target alone).
-    Raises `ValueError` for settings of the wrong kind."""
-    drafting = block_size is not None
+    `DEFAULT_BLOCK_SIZE`); holder: the model that keeps a policy made here across calls (`policy_for`: one per
+    mode, `compiled`, per `drafting`, and per chooser; None: a new one). Returns (None, None) with neither a drafter
+    nor a lookup (the target alone). Raises `ValueError` for settings of the wrong kind."""
+    has_drafter = block_size is not None
     block_size = block_size or DEFAULT_BLOCK_SIZE
     if policy is not None and not isinstance(policy, (bool, VerifyPolicy)):
         raise ValueError(f"policy must be True, False or a VerifyPolicy, got {policy!r}")
@@ -288,9 +292,9 @@ def make_chooser(lookup, policy, block_size: int | None, holder=None,
         if policy.block_size != block_size:
             raise ValueError(f"The policy's block size {policy.block_size} differs from the verify width {block_size}")
         return source, policy
-    if policy is False or (source is None and not drafting):
+    if policy is False or (source is None and not has_drafter):
         return source, None
-    return source, (policy_for(holder, block_size, compiled, source is not None) if holder is not None
+    return source, (policy_for(holder, block_size, compiled, source is not None, drafting) if holder is not None
                     else VerifyPolicy(block_size))
 
 

@@ -17,9 +17,8 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
 from .network_d3d import check_compatibility
-from .engine_d3d import RoundRecord, RowSettings, SpeculativeEngine
-from .generation_d3d import make_source
-from .policy_d3d import make_chooser
+from .engine_d3d import RoundRecord, RowSettings
+from .generation_d3d import build_engine, make_source
 from .inputs_d3d import check_prompts
 from .settings_d3d import row_settings
 from .successor_d3d import DEFAULT_FANOUT
@@ -171,11 +170,8 @@ class D3DBatchServer:
         self.max_batch_size = max_batch_size
         positions = getattr(target.config.get_text_config(), "max_position_embeddings", None) or DEFAULT_MAX_LENGTH
         max_length = min(positions, DEFAULT_MAX_LENGTH) if max_length is None else max_length
-        lookup, policy = make_chooser(lookup, policy, drafter.config.block_size if drafter is not None else None,
-                                      drafter if drafter is not None else target)
-        self.engine = SpeculativeEngine(target, make_source(drafter, asynchronous, coverage, fanout, None, None),
-                                        max_rows=max_batch_size, max_length=max_length, keep_rounds=1000,
-                                        lookup=lookup, policy=policy)
+        self.engine = build_engine(target, make_source(drafter, asynchronous, coverage, fanout, None, None),
+                                   max_batch_size, max_length, lookup=lookup, policy=policy, keep_rounds=1000)
         self._cpu_pools = CPUWorkerPools()
         self._cpu_pools.release_own()  # allocating the caches gave the caller's thread a pool; the scheduler computes
         self._queues = _Queues([], {})
