@@ -357,8 +357,9 @@ class SpeculativeEngine:
         keys = [id(row) for row in self.rows]  # the policy's keys: rows of engines sharing it never mix
         contexts = [row.drafter_context for row in self.rows]  # before the round
         # 1. plan: what each row verifies (nothing, the drafter's block, a lookup continuation, or both)
-        lookups = self.lookup.propose(contexts) if self.lookup is not None else [[] for _ in keys]
-        plan = self.plan(keys, lookups)
+        lookups, matches = (self.lookup.propose(contexts) if self.lookup is not None
+                            else ([[] for _ in keys], [0] * len(keys)))
+        plan = self.plan(keys, lookups, matches)
         # 2. propose: the drafter's block for every row when any row verifies one, then the plan applied
         proposal = None
         if plan.drafter:
@@ -400,12 +401,12 @@ class SpeculativeEngine:
                     raise outcome.error
             yield outcomes
 
-    def plan(self, keys: list[Hashable], lookups: list[list[int]]) -> RoundPlan:
-        """What this round verifies per row: the policy's choice; without a policy, the drafter's block (or nothing,
-        the target alone)."""
+    def plan(self, keys: list[Hashable], lookups: list[list[int]], matches: list[int]) -> RoundPlan:
+        """What this round verifies per row (`lookups` and their `matches`: `lookup_d3d`): the policy's choice;
+        without a policy, the drafter's block (or nothing, the target alone)."""
         if self.policy is not None:
             greedy = [not row.settings.do_sample for row in self.rows]
-            plan = self.policy.plan(keys, lookups, self.source is not None, greedy, self.trees)
+            plan = self.policy.plan(keys, lookups, self.source is not None, greedy, self.trees, matches)
             if any(choice == BOTH and not (self.trees and g) for choice, g in zip(plan.choices, greedy)):
                 raise RuntimeError("The verify policy chose both proposals for a row that samples, or in an engine "
                                    "that verifies no trees (it needs a drafter and a lookup): a tree's better branch "

@@ -1,15 +1,23 @@
 """Prompt lookup in the engine (`LookupSource`): drafts copied from a row's own text, no model.
 
 Per row, the longest suffix of its text (its drafter context: prompt, then the generated tokens; `min_ngram` to
-`max_ngram` tokens) that occurred earlier in it, at its most recent earlier occurrence; the tokens that followed
-that occurrence are the drafts (`max_drafts`, copied on past the text's end: a repeating cycle continues). The drafts are a function of the text alone, so their q is
-one-hot (`one_hot_logits`) and rejection sampling stays exact. Each row keeps an n-gram index, extended by the
-tokens a round adds (a dict per n-gram size: the latest end of each n-gram), so a lookup costs a few dict reads.
+`max_ngram` tokens) that occurred earlier in it; of its latest `CANDIDATES` earlier occurrences, the one whose
+preceding text agrees longest with the row's own (its *match*: how many tokens before the drafts agree, at most
+`MAX_MATCH`; the latest on a tie); the tokens that followed that occurrence are the drafts (`max_drafts`, copied on
+past the text's end: a repeating cycle continues). The match predicts what a lookup keeps (on the quickstart's
+repetitive prompts: 2-7 tokens -> ~2 drafts kept, 8-15 -> 8.5, 16+ -> 11-13; docs/results.md), and the verify
+policy prices lookups by it (`policy_d3d`). The drafts are a function of the text alone, so their q is one-hot
+(`one_hot_logits`) and rejection sampling stays exact. Each row keeps an n-gram index, extended by the tokens a
+round adds (a dict per n-gram size: every end of each n-gram), so a lookup costs a few dict reads and list
+comparisons.
 """
 
 from dataclasses import dataclass, field
 
 import torch
+
+MAX_MATCH = 64  # how far back an occurrence's agreement with the row's own text is measured
+CANDIDATES = 32  # the latest occurrences of the suffix compared (a common n-gram occurs thousands of times)
 
 
 def check_lookup_settings(max_ngram: int, min_ngram: int, max_drafts: int, block_size: int) -> None:
@@ -27,8 +35,8 @@ def check_lookup_settings(max_ngram: int, min_ngram: int, max_drafts: int, block
 
 @dataclass
 class NgramIndex:
-    """One row's text and, per n-gram size `n`, where each n-gram of it last ended (`ends[n - 1][ngram] = e`:
-    `text[e - n:e] == ngram`), for every end `e < len(text)` (so the text after it is never empty)."""
+    """One row's text and, per n-gram size `n`, where each n-gram of it ended, oldest first (`ends[n - 1][ngram]`:
+    every `e` with `text[e - n:e] == ngram`), for every end `e < len(text)` (so the text after it is never empty)."""
 
     max_ngram: int
     text: list[int] = field(default_factory=list)
@@ -43,21 +51,37 @@ class NgramIndex:
         self.text.extend(context[old:])
         for end in range(max(old, 1), len(self.text)):
             for n in range(1, min(self.max_ngram, end) + 1):
-                self.ends[n - 1][tuple(self.text[end - n : end])] = end
+                self.ends[n - 1].setdefault(tuple(self.text[end - n : end]), []).append(end)
 
-    def continuation(self, min_ngram: int, count: int) -> list[int]:
-        """The `count` tokens that followed the latest earlier occurrence of the text's longest suffix of
-        `min_ngram..max_ngram` tokens, copied on past the text's end as an overlapping copy does (a text repeating a
-        cycle shorter than `count` continues the cycle); empty when none occurred."""
+    def continuation(self, min_ngram: int, count: int) -> tuple[list[int], int]:
+        """The `count` tokens that followed the best earlier occurrence of the text's longest suffix of
+        `min_ngram..max_ngram` tokens (of its latest `CANDIDATES`, the longest `agreement`, the latest on a tie),
+        copied on past the text's end as an overlapping copy does (a text repeating a cycle shorter than `count`
+        continues the cycle), and that occurrence's agreement; `([], 0)` when none occurred."""
         for n in range(min(self.max_ngram, len(self.text)), min_ngram - 1, -1):
-            end = self.ends[n - 1].get(tuple(self.text[-n:]))
-            if end is not None:
+            found = self.ends[n - 1].get(tuple(self.text[-n:]))
+            if found:
+                match, end = max((self.agreement(end), end) for end in found[-CANDIDATES:])
                 copied = []
                 for k in range(count):
                     at = end + k
                     copied.append(self.text[at] if at < len(self.text) else copied[at - len(self.text)])
-                return copied
-        return []
+                return copied, match
+        return [], 0
+
+    def agreement(self, end: int, chunk: int = 8) -> int:
+        """How many tokens before `end` equal the text's last ones (`text[end - k:end] == text[-k:]`), at most
+        `MAX_MATCH`; compared `chunk` tokens at a time."""
+        text, length = self.text, len(self.text)
+        limit, k = min(MAX_MATCH, end), 0
+        while k < limit:
+            step = min(chunk, limit - k)
+            if text[end - k - step : end - k] != text[length - k - step : length - k]:
+                while text[end - 1 - k] == text[length - 1 - k]:  # within this chunk: stops before its end
+                    k += 1
+                return k
+            k += step
+        return k
 
 
 def one_hot_logits(drafts: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -88,14 +112,17 @@ class LookupSource:
     def move(self, from_slot: int, to_slot: int) -> None:
         self.rows[to_slot] = self.rows[from_slot]
 
-    def propose(self, contexts: list[list[int]]) -> list[list[int]]:
-        """Each row's drafts (possibly none), its index first caught up with its context."""
-        drafts = []
+    def propose(self, contexts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+        """Each row's drafts (possibly none) and their match (0 for none), its index first caught up with its
+        context."""
+        drafts, matches = [], []
         for slot, context in enumerate(contexts):
             index = self.rows[slot]
             index.extend(context)
-            drafts.append(index.continuation(self.min_ngram, self.max_drafts))
-        return drafts
+            found, match = index.continuation(self.min_ngram, self.max_drafts)
+            drafts.append(found)
+            matches.append(match)
+        return drafts, matches
 
 
-__all__ = ["LookupSource", "NgramIndex", "check_lookup_settings", "one_hot_logits"]
+__all__ = ["CANDIDATES", "LookupSource", "MAX_MATCH", "NgramIndex", "check_lookup_settings", "one_hot_logits"]

@@ -6,8 +6,9 @@ A round's cost is shared by its rows: one target pass, 1 column wide when no row
 verify one proposal each, `2B - 1` wide (`tree_width`) when any row verifies both, plus one drafter pass when any
 row verifies the drafter's block. `VerifyPolicy.plan` picks, before the round, the kind of round with the most
 expected tokens per second (`RoundPlan`): expected tokens from each row's acceptance so far (accepted drafts per
-round, for the drafter's blocks and for lookups, smoothed; for both, the better of the two plus what trees kept
-beyond the branch expected to keep more, pooled over rows), seconds from the rounds this engine has run (smoothed,
+round, for the drafter's blocks and for lookups, smoothed, each blended with the same pooled over rows: for lookups
+pooled per match length, `match_bucket`, which predicts what a lookup keeps; for both, the better of the two plus
+what trees kept beyond the branch expected to keep more, pooled over rows), seconds from the rounds this engine has run (smoothed,
 per batch size; a cost not measured yet, or only by its first pass (a warm-up), is taken as the cheapest it can be,
 so the round that measures it is tried). A row that has not verified the drafter's block for `probe_every` rounds
 verifies it again (its acceptance may have changed), and likewise a lookup it found, so an engine never stops
@@ -38,12 +39,14 @@ class RoundPlan:
     """What one round verifies: `choices[r]` per row (`NOTHING`, `BLOCK`, `LOOKUP`, `BOTH`); `drafter`: whether the
     drafter's pass runs; `width`: the verify pass's columns (1; `B` when any row verifies drafts; `tree_width(B)`
     when any row verifies both); `alone[r]`: the one proposal (`BLOCK` or `LOOKUP`) row `r` would have verified
-    without a tree, what `observe` measures a tree's gain against (None: not recorded)."""
+    without a tree, what `observe` measures a tree's gain against; `matches[r]`: its lookup's match
+    (`lookup_d3d`), whose bucket learns what the lookup kept (None: not recorded)."""
 
     choices: list[str]
     drafter: bool
     width: int
     alone: list[str] | None = field(default=None, compare=False)  # what the round verifies is the rest
+    matches: list[int] | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -68,7 +71,9 @@ class VerifyPolicy:
     (`priors`: the mean over every row and round, its start counted as one round, moving by at least
     `pool_smoothing` a round once many were seen) in a row's expected drafts from its block, the rest its own
     average (a row's few latest rounds say little: a hard stretch of text does not make a good drafter worth
-    skipping; `priors[BOTH]`: the drafts a tree kept beyond the branch expected to keep more, pooled the same way). What
+    skipping; `priors[BOTH]`: the drafts a tree kept beyond the branch expected to keep more, pooled the same way),
+    and of the lookup's pooled acceptance at the lookup's match length (`lookup_priors[match_bucket(match)]`) in its
+    expected drafts from a lookup. What
     it learns (costs; `priors`, where new rows start) carries over from call to call when it is kept (`policy_for`)."""
 
     block_size: int
@@ -81,7 +86,8 @@ class VerifyPolicy:
     pass_counts: dict[tuple[str, int], int] = field(default_factory=dict)
     history: dict = field(default_factory=dict)
     priors: dict[str, float] = field(default_factory=dict)
-    pooled_rounds: dict[str, int] = field(default_factory=dict)
+    pooled_rounds: dict = field(default_factory=dict)
+    lookup_priors: dict[int, float] = field(default_factory=dict)
     interval: int = 0
     lookup_interval: int = 0
 
@@ -137,14 +143,26 @@ class VerifyPolicy:
         pooled one, weighted by `pooling`."""
         return (1 - self.pooling) * history.block + self.pooling * self.priors[BLOCK]
 
+    def expected_lookup(self, history: RowHistory, found: list[int], match: int | None) -> float:
+        """The drafts a row with `history` is expected to keep from the lookup continuation `found` (0 when none)
+        whose match is `match`: its own average and the pooled one at that match length (None: over every lookup),
+        weighted by `pooling`, at most `len(found)`."""
+        if not found:
+            return 0.0
+        pooled = self.priors[LOOKUP] if match is None else self.lookup_priors.get(match_bucket(match),
+                                                                                   self.priors[LOOKUP])
+        return min((1 - self.pooling) * history.lookup + self.pooling * pooled, len(found))
+
     def plan(self, keys: list, lookups: list[list[int]], drafter: bool, greedy: list[bool] | None = None,
-             trees: bool = False) -> RoundPlan:
-        """The round for rows `keys` with lookup continuations `lookups` (empty: none found); `drafter`: whether
-        the engine has a drafter source; `greedy`: per row, whether it decodes greedily; `trees`: whether the engine
-        verifies both proposals of a greedy row in one pass (`BOTH`)."""
+             trees: bool = False, matches: list[int] | None = None) -> RoundPlan:
+        """The round for rows `keys` with lookup continuations `lookups` (empty: none found) and their `matches`
+        (`lookup_d3d`; None: not known); `drafter`: whether the engine has a drafter source; `greedy`: per row,
+        whether it decodes greedily; `trees`: whether the engine verifies both proposals of a greedy row in one pass
+        (`BOTH`)."""
         rows = len(keys)
         history = [self.row(key) for key in keys]
-        lookup_gain = [min(h.lookup, len(found)) if found else 0.0 for h, found in zip(history, lookups)]
+        lookup_gain = [self.expected_lookup(h, found, match)
+                       for h, found, match in zip(history, lookups, matches or [None] * rows)]
         block_gain = [self.expected_block(h) if drafter else 0.0 for h in history]
         narrow, wide = self.cost("narrow", rows), self.cost("wide", rows)
         options = [(rate(rows, narrow), 0, [NOTHING] * rows)]
@@ -173,13 +191,15 @@ class VerifyPolicy:
         # estimate, learnt only from verified lookups, would otherwise never come back up)
         choices = [LOOKUP if found and choice == NOTHING and h.since_lookup >= self.lookup_interval else choice
                    for choice, found, h in zip(choices, lookups, history)]
-        return self.round_of(choices, alone)
+        return self.round_of(choices, alone, matches)
 
-    def round_of(self, choices: list[str], alone: list[str] | None = None) -> RoundPlan:
-        """The `RoundPlan` of per-row `choices` (and `alone`, `RoundPlan.alone`): its drafter pass and verify width."""
+    def round_of(self, choices: list[str], alone: list[str] | None = None,
+                 matches: list[int] | None = None) -> RoundPlan:
+        """The `RoundPlan` of per-row `choices` (and `alone`, `matches`: `RoundPlan`'s): its drafter pass and verify
+        width."""
         width = (tree_width(self.block_size) if BOTH in choices else self.block_size
                  if any(choice != NOTHING for choice in choices) else 1)
-        return RoundPlan(choices, BLOCK in choices or BOTH in choices, width, alone)
+        return RoundPlan(choices, BLOCK in choices or BOTH in choices, width, alone, matches)
 
     def observe(self, keys: list, plan: RoundPlan, accepted_drafts: list[int], verify_seconds: float,
                 drafter_seconds: float, branches: list[tuple[int, int] | None] | None = None) -> None:
@@ -189,8 +209,9 @@ class VerifyPolicy:
         self._measure({1: "narrow", self.block_size: "wide"}.get(plan.width, "tree"), rows, verify_seconds)
         if plan.drafter:
             self._measure("drafter", rows, drafter_seconds)
-        for r, (key, choice, accepted, both) in enumerate(zip(keys, plan.choices, accepted_drafts,
-                                                             branches or [None] * rows)):
+        for r, (key, choice, accepted, both, match) in enumerate(zip(keys, plan.choices, accepted_drafts,
+                                                                    branches or [None] * rows,
+                                                                    plan.matches or [None] * rows)):
             history = self.row(key)
             if choice == BOTH and both is not None:  # both verified: each kind learns, the pool what a tree adds
                 # over the one branch this row would have verified alone (the plan's; not recorded: the one expected
@@ -200,7 +221,7 @@ class VerifyPolicy:
                 self._pool(BOTH, max(both) - (both[0] if alone == BLOCK else both[1]))
                 for kind, kept in zip((BLOCK, LOOKUP), both):
                     setattr(history, kind, getattr(history, kind) + rate * (kept - getattr(history, kind)))
-                    self._pool(kind, kept)
+                    self._pool(kind, kept, match)
                 history.since_block = history.since_lookup = 0
                 continue
             if choice == BLOCK and history.since_block >= self.interval:  # a probe: back off while they keep nothing
@@ -211,13 +232,22 @@ class VerifyPolicy:
             history.since_lookup = 0 if choice == LOOKUP else history.since_lookup + 1
             if choice in (BLOCK, LOOKUP):
                 setattr(history, choice, getattr(history, choice) + rate * (accepted - getattr(history, choice)))
-                self._pool(choice, accepted)
+                self._pool(choice, accepted, match)
 
-    def _pool(self, kind: str, observed: float) -> None:
-        """Move the pooled `priors[kind]` towards `observed` (the mean over every round of that kind so far, at
-        least by `pool_smoothing`)."""
-        seen = self.pooled_rounds[kind] = self.pooled_rounds.get(kind, 0) + 1
-        self.priors[kind] += max(self.pool_smoothing, 1 / (seen + 1)) * (observed - self.priors[kind])
+    def _pool(self, kind: str, observed: float, match: int | None = None) -> None:
+        """Move the pooled `priors[kind]`, and for a lookup whose `match` is known the pool of its bucket
+        (`lookup_priors`, starting from `priors[LOOKUP]`), towards `observed`: each the mean over every round it
+        pools so far, its start counted as one, moving at least by `pool_smoothing`."""
+        if kind == LOOKUP and match is not None:
+            bucket = match_bucket(match)
+            self.lookup_priors.setdefault(bucket, self.priors[LOOKUP])
+            self._average(self.lookup_priors, bucket, (LOOKUP, bucket), observed)
+        self._average(self.priors, kind, kind, observed)
+
+    def _average(self, pool: dict, key, counter, observed: float) -> None:
+        """`pool[key]` moved towards `observed` as `_pool` says; `pooled_rounds[counter]` counts its rounds."""
+        seen = self.pooled_rounds[counter] = self.pooled_rounds.get(counter, 0) + 1
+        pool[key] += max(self.pool_smoothing, 1 / (seen + 1)) * (observed - pool[key])
 
     def _backoff(self, interval: int, accepted: int) -> int:
         """The rounds before the next probe of a kind after a probe that kept `accepted` drafts: back to
@@ -239,6 +269,12 @@ class VerifyPolicy:
         if old is not None and count > WARM_UP_PASSES + 1:
             seconds = old + self.smoothing * (min(seconds, OUTLIER * old) - old)
         self.measured[(kind, rows)] = seconds
+
+
+def match_bucket(match: int) -> int:
+    """The bucket of a lookup's match length whose acceptance the policy pools: 1, 2-3, 4-7, 8-15, 16-31, 32-63, 64
+    tokens (`lookup_d3d.MAX_MATCH`) are buckets 1 to 7 (what a lookup keeps grows with its match: docs/results.md)."""
+    return match.bit_length()
 
 
 def tree_width(block_size: int) -> int:
@@ -353,8 +389,9 @@ def untangled(plan: RoundPlan, proposal: Proposal, lookups: list[list[int]]) -> 
         shorter = min(len(block), len(found))
         if block[:shorter] == found[:shorter]:
             choices[r] = LOOKUP if len(found) > len(block) else BLOCK
-    return RoundPlan(choices, plan.drafter, plan.width if BOTH in choices else (plan.width + 1) // 2, plan.alone)
+    return RoundPlan(choices, plan.drafter, plan.width if BOTH in choices else (plan.width + 1) // 2, plan.alone,
+                     plan.matches)
 
 
 __all__ = ["BLOCK", "BOTH", "DEFAULT_BLOCK_SIZE", "LOOKUP", "NOTHING", "RoundPlan", "RowHistory", "VerifyPolicy",
-           "apply_plan", "make_chooser", "policy_for", "tree_width", "untangled"]
+           "apply_plan", "make_chooser", "match_bucket", "policy_for", "tree_width", "untangled"]

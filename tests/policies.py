@@ -15,7 +15,7 @@ class EveryChoice(VerifyPolicy):
         self.round = 0
 
     def plan(self, keys: list, lookups: list[list[int]], drafter: bool, greedy: list[bool] | None = None,
-             trees: bool = False) -> RoundPlan:
+             trees: bool = False, matches: list[int] | None = None) -> RoundPlan:
         self.round += 1
         choices = []
         for r, found in enumerate(lookups):

@@ -1,5 +1,5 @@
 """The one chooser (`policy_d3d.VerifyPolicy`) and prompt lookup in the engine (`lookup_d3d.LookupSource`): the
-lookup finds the latest earlier occurrence of the longest suffix; the policy's decisions follow expected tokens per
+lookup finds the earlier occurrence of the longest suffix whose text before agrees longest; the policy's decisions follow expected tokens per
 second; sampled rows under every kind of plan follow the target's exact distribution, and a plan that peeks at the
 round's verification fails the same test."""
 
@@ -15,30 +15,63 @@ from distribution import NEW_TOKENS, SAMPLES, VOCAB, chi_square_p_value, exact_d
 from modeling_d3d import (BlockSource, D3DBatchServer, D3DForBlockDiffusion, RoundRecord, RowSettings,
                           SpeculativeEngine, SuccessorSource)
 from modeling_d3d.generation_d3d import speculative_generate
-from modeling_d3d.lookup_d3d import LookupSource, NgramIndex
+from modeling_d3d.lookup_d3d import CANDIDATES, MAX_MATCH, LookupSource, NgramIndex
 from modeling_d3d.sources_d3d import Proposal
-from modeling_d3d.policy_d3d import BLOCK, BOTH, LOOKUP, NOTHING, RoundPlan, VerifyPolicy, make_chooser, untangled
+from modeling_d3d.policy_d3d import (BLOCK, BOTH, LOOKUP, NOTHING, RoundPlan, VerifyPolicy, make_chooser, match_bucket,
+                                     untangled)
 from policies import EveryChoice
 
 REPEATING = [1, 5, 2, 7, 3, 1, 5, 2, 7, 3, 1, 5]  # its suffix [1, 5] occurred before: lookups find [2, 7, 3, ...]
 
 
-def test_a_lookup_continues_the_latest_earlier_occurrence_of_the_longest_suffix():
+def test_a_lookup_continues_the_longest_suffix_where_the_text_before_it_agrees_longest():
     index = NgramIndex(max_ngram=3)
     index.extend([4, 1, 2, 9, 1, 2, 6, 7, 3, 2])
-    assert index.continuation(min_ngram=1, count=3) == [6, 7, 3]  # suffix [2]: latest earlier end is after "1 2"
+    # suffix [2] ended at 3, 6 and 9; the text before agrees one token at each: the latest wins the tie
+    assert index.continuation(min_ngram=1, count=3) == ([6, 7, 3], 1)
     index.extend([4, 1, 2, 9, 1, 2, 6, 7, 3, 2, 5, 1, 2])
-    assert index.continuation(min_ngram=1, count=4) == [6, 7, 3, 2]  # [1, 2] last ended before 6 (not the suffix)
+    assert index.continuation(min_ngram=1, count=4) == ([6, 7, 3, 2], 2)  # [1, 2] ended before 9 and before 6
     index.extend([4, 1, 2, 9, 1, 2, 6, 7, 3, 2, 5, 1, 2, 8])
-    assert index.continuation(min_ngram=2, count=4) == []  # "2 8" never occurred before
-    assert index.continuation(min_ngram=1, count=2) == []  # nor did 8
+    assert index.continuation(min_ngram=2, count=4) == ([], 0)  # "2 8" never occurred before
+    assert index.continuation(min_ngram=1, count=2) == ([], 0)  # nor did 8
+    # [1, 2] ended before 5 and, later, before 6; before the first, 3 tokens agree with the text's end (7 1 2),
+    # before the latest 2 (0 1 2 against 7 1 2): the first one's continuation is drafted
+    longest = NgramIndex(max_ngram=2)
+    longest.extend([7, 1, 2, 5, 0, 1, 2, 6, 7, 1, 2])
+    assert longest.continuation(min_ngram=2, count=3) == ([5, 0, 1], 3)
+
+
+def test_a_lookups_match_is_its_agreement_with_the_text_capped_and_compared_chunk_by_chunk():
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        length = int(torch.randint(2, 160, (1,), generator=generator))
+        text = torch.randint(0, 3, (length,), generator=generator).tolist()
+        index = NgramIndex(2)
+        index.extend(text)
+        for end in range(1, length):
+            expected = next((k for k in range(min(MAX_MATCH, end)) if text[end - 1 - k] != text[-1 - k]),
+                            min(MAX_MATCH, end))
+            assert index.agreement(end) == index.agreement(end, chunk=1) == expected
+
+
+def test_a_lookup_compares_only_the_latest_occurrences_of_its_suffix():
+    """A common n-gram may occur thousands of times: the lookup weighs the latest `CANDIDATES` only."""
+    old_copy = [5, 6, 7, 8, 9, 1, 2]  # agrees with the text's end over 7 tokens, but too long ago
+    text = old_copy + [3] + [0, 1, 2, 4] * CANDIDATES + [5, 6, 7, 8, 9, 1, 2]
+    index = NgramIndex(2)
+    index.extend(text)
+    drafts, match = index.continuation(2, 2)
+    assert (drafts, match) == ([4, 5], 2)  # the latest of the recent ones, which agree over 2 tokens (0 1 2)
+    index = NgramIndex(2)
+    index.extend(old_copy + [3] + [0, 1, 2, 4] * (CANDIDATES - 1) + [5, 6, 7, 8, 9, 1, 2])
+    assert index.continuation(2, 2) == ([3, 0], 7)  # within the latest CANDIDATES: the old copy wins
 
 
 def test_a_lookup_in_a_repeating_cycle_continues_the_cycle_past_the_texts_end():
     index = NgramIndex(max_ngram=2)
     index.extend([9, 5, 6, 7, 5, 6, 7, 5, 6])
     # "5 6" last ended before the final 7: the copy runs past the text's end into its own drafts
-    assert index.continuation(min_ngram=2, count=8) == [7, 5, 6, 7, 5, 6, 7, 5]
+    assert index.continuation(min_ngram=2, count=8) == ([7, 5, 6, 7, 5, 6, 7, 5], 5)
 
 
 def test_a_lookup_index_grown_round_by_round_equals_one_built_at_once():
@@ -57,10 +90,10 @@ def test_lookup_drafts_come_from_each_rows_own_text():
     source = LookupSource(block_size=4, min_ngram=2)
     source.allocate(2, 64)
     source.add(0, [REPEATING, [3, 3, 4]])
-    assert source.propose([REPEATING, [3, 3, 4]]) == [[2, 7, 3], []]
+    assert source.propose([REPEATING, [3, 3, 4]]) == ([[2, 7, 3], []], [7, 0])  # REPEATING[5:] repeats [:7]
     source.move(0, 1)  # row 0 left: row 1 moved up, a new row joins
     source.add(1, [[9]])
-    assert source.propose([REPEATING + [2], [9]]) == [[7, 3, 1], []]
+    assert source.propose([REPEATING + [2], [9]]) == ([[7, 3, 1], []], [8, 0])
 
 
 def plan_of(policy: VerifyPolicy, lookups: list[list[int]], drafter: bool = True) -> list[str]:
@@ -175,7 +208,7 @@ def test_processors_see_only_the_columns_their_row_verifies(sampling_models):
 class SampledTrees(VerifyPolicy):
     """A broken policy: a tree for every row, sampled or not."""
 
-    def plan(self, keys, lookups, drafter, greedy=None, trees=False):
+    def plan(self, keys, lookups, drafter, greedy=None, trees=False, matches=None):
         return self.round_of([BOTH] * len(keys))
 
 
@@ -223,8 +256,8 @@ def test_a_row_in_a_hard_stretch_keeps_a_good_drafter_while_its_pooled_rate_says
 
 
 def test_a_row_that_skipped_its_lookups_verifies_one_again_less_often_while_probes_keep_nothing():
-    policy = VerifyPolicy(16, probe_every=4, costs={"narrow": 1.0, "wide": 2.0, "drafter": 1.0})
-    policy.row(0).lookup = 0.0  # its lookups kept nothing so far: not worth a wide pass
+    policy = VerifyPolicy(16, probe_every=4, costs={"narrow": 1.0, "wide": 2.0, "drafter": 1.0}, pooling=0.0)
+    policy.row(0).lookup = 0.0  # its lookups kept nothing so far (its own average only): not worth a wide pass
     choices = []
     for _ in range(19):
         plan = policy.plan([0], [[3, 4]], False)
@@ -236,6 +269,19 @@ def test_a_row_that_skipped_its_lookups_verifies_one_again_less_often_while_prob
     plan = policy.plan([0], [[3, 4]], False)
     policy.observe([0], plan, [1], 1.0, 0.0)
     assert plan.choices == [LOOKUP] and policy.lookup_interval == 4  # a probe that kept a draft: back to 4
+
+
+def test_the_policy_prices_a_lookup_by_what_lookups_of_its_match_length_kept():
+    """How far the text before a found occurrence agrees with the row's own predicts what the lookup keeps (a 2-token
+    match is often chance, a 20-token one a copy): lookups are pooled per match bucket (`match_bucket`)."""
+    policy = VerifyPolicy(16, costs={"narrow": 1.0, "wide": 2.0, "drafter": 1.0}, pooling=1.0)
+    for key in range(40):  # lookups of short matches (2-3 tokens) kept nothing, of long ones (16-31) 12 drafts
+        for match, kept in ((2, 0), (20, 12)):
+            policy.observe([key], policy.round_of([LOOKUP], matches=[match]), [kept], 2.0, 0.0)
+    found = [[3] * 15]
+    assert policy.plan([100], found, False, matches=[3]).choices == [NOTHING]  # ~0.2 drafts for 2x a plain step
+    assert policy.plan([101], found, False, matches=[17]).choices == [LOOKUP]
+    assert [match_bucket(m) for m in (1, 2, 3, 4, 7, 8, 15, 16, 63, 64)] == [1, 2, 2, 3, 3, 4, 4, 5, 6, 7]
 
 
 def plan_of_keys(policy: VerifyPolicy, keys: list) -> list[str]:
@@ -280,7 +326,7 @@ class PeekingEngine(SpeculativeEngine):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, verification="token", **kwargs)
 
-    def plan(self, keys, lookups):
+    def plan(self, keys, lookups, matches):
         last = {}  # each row's target logits after its last token: one batched pass per text length
         for length in {len(row.tokens) for row in self.rows}:
             indices = [r for r, row in enumerate(self.rows) if len(row.tokens) == length]
