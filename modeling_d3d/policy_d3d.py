@@ -263,11 +263,16 @@ class VerifyPolicy:
         that much (a pause of the process, another program's burst: a cost the policy stops measuring once it skips
         that pass must not jump on one slow round). The first `WARM_UP_PASSES` of a kind at a batch size pay one-time
         costs (a compile, the first use of kernels and buffers; seconds where a pass takes milliseconds): the pass
-        after them replaces what they measured."""
+        after them replaces what they measured, unless it was slower (a pause of the process in the one pass that sets
+        the estimate). A cost taken too high sticks (a pass the policy thinks dear is not chosen, so not measured
+        again, and a 10x pause there would make a drafter that pays look dear for a whole run), one taken too low
+        corrects itself (the pass is chosen, and measured)."""
         count = self.pass_counts[(kind, rows)] = self.pass_counts.get((kind, rows), 0) + 1
         old = self.measured.get((kind, rows))
         if old is not None and count > WARM_UP_PASSES + 1:
             seconds = old + self.smoothing * (min(seconds, OUTLIER * old) - old)
+        elif old is not None:
+            seconds = min(seconds, old)
         self.measured[(kind, rows)] = seconds
 
 
