@@ -365,7 +365,7 @@ class SpeculativeEngine:
         if plan.drafter:
             proposal = self.source.propose(contexts, [row.sampling for row in self.rows])
         plan, proposal = apply_plan(plan, proposal, lookups, self.target.config.get_text_config().vocab_size,
-                                    any(row.settings.do_sample for row in self.rows), self.device)
+                                    any(row.settings.do_sample for row in self.rows), self.device, self.width)
         # 3. verify: ONE target pass over every row's [anchor, drafts] (and a tree's second branch)
         verify_start = self.clock.mark()
         logits = self.verify(proposal, plan.width)

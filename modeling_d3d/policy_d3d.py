@@ -197,9 +197,8 @@ class VerifyPolicy:
                  matches: list[int] | None = None) -> RoundPlan:
         """The `RoundPlan` of per-row `choices` (and `alone`, `matches`: `RoundPlan`'s): its drafter pass and verify
         width."""
-        width = (tree_width(self.block_size) if BOTH in choices else self.block_size
-                 if any(choice != NOTHING for choice in choices) else 1)
-        return RoundPlan(choices, BLOCK in choices or BOTH in choices, width, alone, matches)
+        return RoundPlan(choices, BLOCK in choices or BOTH in choices, verify_width(choices, self.block_size), alone,
+                         matches)
 
     def observe(self, keys: list, plan: RoundPlan, accepted_drafts: list[int], verify_seconds: float,
                 drafter_seconds: float, branches: list[tuple[int, int] | None] | None = None) -> None:
@@ -282,6 +281,14 @@ def match_bucket(match: int) -> int:
     return match.bit_length()
 
 
+def verify_width(choices: list[str], block_size: int) -> int:
+    """Columns of the verify pass of a round whose rows verify `choices`: 1 when no row verifies drafts, `B` when
+    each verifies one proposal, `tree_width(B)` when any verifies both."""
+    if BOTH in choices:
+        return tree_width(block_size)
+    return block_size if any(choice != NOTHING for choice in choices) else 1
+
+
 def tree_width(block_size: int) -> int:
     """Columns of a verify pass over two branches: the anchor, then `B - 1` drafts of each."""
     return 2 * block_size - 1
@@ -340,20 +347,20 @@ def make_chooser(lookup, policy, block_size: int | None, holder=None, compiled: 
 
 
 def apply_plan(plan: RoundPlan, proposal: Proposal | None, lookups: list[list[int]], vocab_size: int,
-               sampled: bool, device: torch.device) -> tuple[RoundPlan, Proposal | None]:
+               sampled: bool, device: torch.device, block_size: int) -> tuple[RoundPlan, Proposal | None]:
     """The round's proposal as `plan` says: the drafter's `proposal` (None: it did not run) with each `LOOKUP` row's
     drafts replaced by its lookup continuation (q one-hot), each `NOTHING` row's drafts dropped, and each `BOTH` row's
     continuation as the second branch (`Proposal.second`), unless one branch's drafts begin with the other's: then the
     row verifies only the longer (a second branch could keep nothing more). Returns the plan as applied (`B` wide
     when no tree is left) and the proposal, None when the round verifies no drafts (a 1-column pass). sampled:
-    whether any row samples (then q is kept for every row)."""
+    whether any row samples (then q is kept for every row); block_size: `B`, the verify width of one proposal."""
     if BOTH in plan.choices:
-        plan = untangled(plan, proposal, lookups)
+        plan = untangled(plan, proposal, lookups, block_size)
     if plan.width == 1:
         return plan, None
     if proposal is not None and all(choice == BLOCK for choice in plan.choices):
         return plan, proposal
-    rows, width = len(plan.choices), (plan.width - 1) // 2 if BOTH in plan.choices else plan.width - 1
+    rows, width = len(plan.choices), block_size - 1  # the drafts of a branch
     if proposal is None:
         proposal = Proposal(torch.zeros(rows, width, dtype=torch.long, device=device),
                             torch.zeros(rows, dtype=torch.long, device=device),
@@ -382,7 +389,7 @@ def apply_plan(plan: RoundPlan, proposal: Proposal | None, lookups: list[list[in
                           proposal.errors, second, num_second)
 
 
-def untangled(plan: RoundPlan, proposal: Proposal, lookups: list[list[int]]) -> RoundPlan:
+def untangled(plan: RoundPlan, proposal: Proposal, lookups: list[list[int]], block_size: int) -> RoundPlan:
     """`plan` with each `BOTH` row whose block and lookup drafts begin one with the other verifying only the longer
     (`BLOCK` or `LOOKUP`): a tree keeps more only where the two differ. Reads the drafts to the host."""
     choices = list(plan.choices)
@@ -394,9 +401,8 @@ def untangled(plan: RoundPlan, proposal: Proposal, lookups: list[list[int]]) -> 
         shorter = min(len(block), len(found))
         if block[:shorter] == found[:shorter]:
             choices[r] = LOOKUP if len(found) > len(block) else BLOCK
-    return RoundPlan(choices, plan.drafter, plan.width if BOTH in choices else (plan.width + 1) // 2, plan.alone,
-                     plan.matches)
+    return RoundPlan(choices, plan.drafter, verify_width(choices, block_size), plan.alone, plan.matches)
 
 
 __all__ = ["BLOCK", "BOTH", "DEFAULT_BLOCK_SIZE", "LOOKUP", "NOTHING", "RoundPlan", "RowHistory", "VerifyPolicy",
-           "apply_plan", "make_chooser", "match_bucket", "policy_for", "tree_width", "untangled"]
+           "apply_plan", "make_chooser", "match_bucket", "policy_for", "tree_width", "untangled", "verify_width"]

@@ -133,8 +133,8 @@ def test_a_tree_whose_branches_begin_one_with_the_other_verifies_only_the_longer
                         [False] * 4, [False] * 4)
     lookups = [[5, 6], [5, 9], [5, 8, 8], [1]]
     # row 0: the lookup repeats the block's start; row 1: they differ; row 2: the block (1 draft) begins the lookup
-    assert untangled(plan, proposal, lookups) == RoundPlan([BLOCK, BOTH, LOOKUP, LOOKUP], True, 7)
-    assert untangled(RoundPlan([BOTH], True, 7), proposal, lookups) == RoundPlan([BLOCK], True, 4)
+    assert untangled(plan, proposal, lookups, 4) == RoundPlan([BLOCK, BOTH, LOOKUP, LOOKUP], True, 7)
+    assert untangled(RoundPlan([BOTH], True, 7), proposal, lookups, 4) == RoundPlan([BLOCK], True, 4)
 
 
 def test_a_tree_teaches_both_kinds_and_what_a_tree_adds():
