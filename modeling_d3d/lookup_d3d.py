@@ -8,8 +8,9 @@ past the text's end: a repeating cycle continues). The match predicts what a loo
 repetitive prompts: 2-7 tokens -> ~2 drafts kept, 8-15 -> 8.5, 16+ -> 11-13; docs/results.md), and the verify
 policy prices lookups by it (`policy_d3d`). The drafts are a function of the text alone, so their q is one-hot
 (`one_hot_logits`) and rejection sampling stays exact. Each row keeps an n-gram index, extended by the tokens a
-round adds (a dict per n-gram size: every end of each n-gram), so a lookup costs a few dict reads and list
-comparisons.
+round adds (a dict per n-gram size: the latest end of each n-gram, every end of each `max_ngram`-gram), so a lookup
+costs a few dict reads and at most `CANDIDATES` agreements (a few µs; ~75 µs when every candidate agrees over
+nearly `MAX_MATCH` tokens).
 """
 
 from dataclasses import dataclass, field
@@ -35,8 +36,11 @@ def check_lookup_settings(max_ngram: int, min_ngram: int, max_drafts: int, block
 
 @dataclass
 class NgramIndex:
-    """One row's text and, per n-gram size `n`, where each n-gram of it ended, oldest first (`ends[n - 1][ngram]`:
-    every `e` with `text[e - n:e] == ngram`), for every end `e < len(text)` (so the text after it is never empty)."""
+    """One row's text and, per n-gram size `n`, where each n-gram of it ended (`text[e - n:e] == ngram`), for every
+    end `e < len(text)` (so the text after it is never empty): `ends[n - 1][ngram]` is the latest end for `n <
+    max_ngram` (a shorter suffix is looked up only where the next longer one never occurred, so every earlier
+    occurrence agrees over exactly `n` tokens and the latest wins), and every end, oldest first, for `max_ngram` (an
+    int while it occurred once: one list per repeated n-gram only, not per position)."""
 
     max_ngram: int
     text: list[int] = field(default_factory=list)
@@ -49,9 +53,18 @@ class NgramIndex:
         """Catch up with `context` (the text so far, which only grows): index the n-grams ending before its end."""
         old = len(self.text)
         self.text.extend(context[old:])
+        longest = self.ends[-1]
         for end in range(max(old, 1), len(self.text)):
             for n in range(1, min(self.max_ngram, end) + 1):
-                self.ends[n - 1].setdefault(tuple(self.text[end - n : end]), []).append(end)
+                key = tuple(self.text[end - n : end])
+                if n < self.max_ngram:
+                    self.ends[n - 1][key] = end
+                elif (seen := longest.get(key)) is None:
+                    longest[key] = end
+                elif isinstance(seen, int):
+                    longest[key] = [seen, end]
+                else:
+                    seen.append(end)
 
     def continuation(self, min_ngram: int, count: int) -> tuple[list[int], int]:
         """The `count` tokens that followed the best earlier occurrence of the text's longest suffix of
@@ -60,18 +73,25 @@ class NgramIndex:
         continues the cycle), and that occurrence's agreement; `([], 0)` when none occurred."""
         for n in range(min(self.max_ngram, len(self.text)), min_ngram - 1, -1):
             found = self.ends[n - 1].get(tuple(self.text[-n:]))
-            if found:
-                match, end = max((self.agreement(end), end) for end in found[-CANDIDATES:])
-                copied = []
-                for k in range(count):
-                    at = end + k
-                    copied.append(self.text[at] if at < len(self.text) else copied[at - len(self.text)])
-                return copied, match
+            if found is None:
+                continue
+            match, end = -1, None
+            for candidate in reversed(found[-CANDIDATES:]) if isinstance(found, list) else (found,):
+                agrees = self.agreement(candidate)  # the latest first: an older one must agree longer to win
+                if agrees > match:
+                    match, end = agrees, candidate
+                    if match == MAX_MATCH:
+                        break
+            copied = []
+            for k in range(count):
+                at = end + k
+                copied.append(self.text[at] if at < len(self.text) else copied[at - len(self.text)])
+            return copied, match
         return [], 0
 
     def agreement(self, end: int, chunk: int = 8) -> int:
         """How many tokens before `end` equal the text's last ones (`text[end - k:end] == text[-k:]`), at most
-        `MAX_MATCH`; compared `chunk` tokens at a time."""
+        `MAX_MATCH` and `end`; compared `chunk` tokens at a time."""
         text, length = self.text, len(self.text)
         limit, k = min(MAX_MATCH, end), 0
         while k < limit:

@@ -265,7 +265,7 @@ class VerifyPolicy:
         after them replaces what they measured, unless it was slower (a pause of the process in the one pass that sets
         the estimate). A cost taken too high sticks (a pass the policy thinks dear is not chosen, so not measured
         again, and a 10x pause there would make a drafter that pays look dear for a whole run), one taken too low
-        corrects itself (the pass is chosen, and measured)."""
+        corrects itself (the pass is chosen, and measured: at most 1.25x a pass, `OUTLIER` and `smoothing`)."""
         count = self.pass_counts[(kind, rows)] = self.pass_counts.get((kind, rows), 0) + 1
         old = self.measured.get((kind, rows))
         if old is not None and count > WARM_UP_PASSES + 1:

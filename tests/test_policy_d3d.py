@@ -54,6 +54,37 @@ def test_a_lookups_match_is_its_agreement_with_the_text_capped_and_compared_chun
             assert index.agreement(end) == index.agreement(end, chunk=1) == expected
 
 
+def test_a_lookup_drafts_what_a_scan_of_every_earlier_occurrence_finds():
+    """The index (the latest end of shorter n-grams, every end of the longest, an int until it repeats; the latest
+    candidates compared first, stopping at `MAX_MATCH`) against a plain scan of the text, on texts grown round by
+    round: periodic ones (every candidate agrees over `MAX_MATCH` tokens) and random ones over 2-4 token ids."""
+    generator = torch.Generator().manual_seed(0)
+
+    def scan(text: list[int], max_ngram: int, min_ngram: int, count: int) -> tuple[list[int], int]:
+        for n in range(min(max_ngram, len(text)), min_ngram - 1, -1):
+            ends = [e for e in range(n, len(text)) if text[e - n : e] == text[-n:]][-CANDIDATES:]
+            if ends:
+                agreement = [next((k for k in range(min(MAX_MATCH, e)) if text[e - 1 - k] != text[-1 - k]),
+                                  min(MAX_MATCH, e)) for e in ends]
+                match, end = max(zip(agreement, ends))
+                copied = []
+                for k in range(count):
+                    copied.append(text[end + k] if end + k < len(text) else copied[end + k - len(text)])
+                return copied, match
+        return [], 0
+
+    texts = [[1, 2, 3] * 60, [5] * 100, list(range(7)) * 30]
+    texts += [torch.randint(0, int(v), (int(n),), generator=generator).tolist()
+              for v, n in zip(torch.randint(2, 5, (30,), generator=generator),
+                              torch.randint(1, 200, (30,), generator=generator))]
+    for text in texts:
+        index = NgramIndex(4)
+        for end in range(1, len(text) + 1, 7):
+            index.extend(text[:end])
+            assert index.continuation(2, 6) == scan(text[:end], 4, 2, 6)
+            assert index.continuation(1, 3) == scan(text[:end], 4, 1, 3)
+
+
 def test_a_lookup_compares_only_the_latest_occurrences_of_its_suffix():
     """A common n-gram may occur thousands of times: the lookup weighs the latest `CANDIDATES` only."""
     old_copy = [5, 6, 7, 8, 9, 1, 2]  # agrees with the text's end over 7 tokens, but too long ago
@@ -210,6 +241,15 @@ class SampledTrees(VerifyPolicy):
 
     def plan(self, keys, lookups, drafter, greedy=None, trees=False, matches=None):
         return self.round_of([BOTH] * len(keys))
+
+
+def test_an_engine_refuses_a_policy_of_another_block_size():
+    """A policy plans rounds of its own width: one of another block size than the drafter's or the lookup's failed
+    inside the first round's pass (a tensor-size error); the engine refuses it when it is built."""
+    target = tiny_target(0)
+    for source, lookup in ((BlockSource(tiny_drafter(1)), None), (None, LookupSource(4))):
+        with pytest.raises(ValueError, match="policy's block size 8 differs from the verify width 4"):
+            SpeculativeEngine(target, source, max_length=32, lookup=lookup, policy=VerifyPolicy(8))
 
 
 def test_a_policy_choosing_a_tree_for_a_sampled_row_is_refused(sampling_models):
