@@ -29,7 +29,8 @@ from .lookup_d3d import LookupSource
 from .masking_d3d import ENGINE_ATTENTION
 from .network_d3d import check_vocabulary
 from .passes_d3d import CompiledPasses, PassLayout, compiled_passes, prefill, run_pass
-from .policy_d3d import BLOCK, BOTH, LOOKUP, NOTHING, RoundPlan, VerifyPolicy, apply_plan, tree_width
+from .policy_d3d import (BLOCK, BOTH, LOOKUP, NOTHING, RoundPlan, VerifyPolicy, apply_plan, check_policy_width,
+                         tree_width)
 from .sources_d3d import DrafterSource, DraftTiming, Proposal
 from .streams_d3d import Clock, seconds, synchronize
 
@@ -249,9 +250,8 @@ class SpeculativeEngine:
         self.target, self.source, self.lookup = target, source, lookup
         self.width = next((s.block_size for s in (source, lookup) if s is not None), 1)
         self.policy = policy if policy is not None or lookup is None else VerifyPolicy(self.width)
-        if self.policy is not None and self.width > 1 and self.policy.block_size != self.width:
-            raise ValueError(f"The policy's block size {self.policy.block_size} differs from the verify width "
-                             f"{self.width} (the drafter's or the lookup's block size)")
+        if self.policy is not None and self.width > 1:
+            check_policy_width(self.policy, self.width)
         # greedy rows may verify the drafter's block and a lookup in one pass (`policy_d3d.BOTH`)
         self.trees = source is not None and lookup is not None and self.policy is not None
         self.max_rows, self.max_length = max_rows, max_length

@@ -337,13 +337,19 @@ def make_chooser(lookup, policy, block_size: int | None, holder=None, compiled: 
         raise ValueError("lookup=True needs the verify policy (policy=True, or leave policy unset): it decides per "
                          "row when a lookup is worth verifying")
     if isinstance(policy, VerifyPolicy):
-        if policy.block_size != block_size:
-            raise ValueError(f"The policy's block size {policy.block_size} differs from the verify width {block_size}")
+        check_policy_width(policy, block_size)
         return source, policy
     if policy is False or (source is None and not has_drafter):
         return source, None
     return source, (policy_for(holder, block_size, compiled, source is not None, drafting) if holder is not None
                     else VerifyPolicy(block_size))
+
+
+def check_policy_width(policy: VerifyPolicy, block_size: int) -> None:
+    """Raise `ValueError` unless `policy` plans rounds of `block_size` columns (the drafter's or the lookup's `B`)."""
+    if policy.block_size != block_size:
+        raise ValueError(f"The policy's block size {policy.block_size} differs from the verify width {block_size} "
+                         "(the drafter's or the lookup's block size)")
 
 
 def apply_plan(plan: RoundPlan, proposal: Proposal | None, lookups: list[list[int]], vocab_size: int,
@@ -405,4 +411,5 @@ def untangled(plan: RoundPlan, proposal: Proposal, lookups: list[list[int]], blo
 
 
 __all__ = ["BLOCK", "BOTH", "DEFAULT_BLOCK_SIZE", "LOOKUP", "NOTHING", "RoundPlan", "RowHistory", "VerifyPolicy",
-           "apply_plan", "make_chooser", "match_bucket", "policy_for", "tree_width", "untangled", "verify_width"]
+           "apply_plan", "check_policy_width", "make_chooser", "match_bucket", "policy_for", "tree_width", "untangled",
+           "verify_width"]
