@@ -8,11 +8,11 @@ row verifies the drafter's block. `VerifyPolicy.plan` picks, before the round, t
 expected tokens per second (`RoundPlan`): expected tokens from each row's acceptance so far (accepted drafts per
 round, for the drafter's blocks and for lookups, smoothed, each blended with the same pooled over rows: for lookups
 pooled per match length, `match_bucket`, which predicts what a lookup keeps; for both, the better of the two plus
-what trees kept beyond the branch expected to keep more, pooled over rows), seconds from the rounds this engine has run (smoothed,
-per batch size; a cost not measured yet, or only by its first pass (a warm-up), is taken as the cheapest it can be,
-so the round that measures it is tried). A row that has not verified the drafter's block for `probe_every` rounds
-verifies it again (its acceptance may have changed), and likewise a lookup it found, so an engine never stops
-learning.
+what trees kept beyond the branch expected to keep more, pooled over rows), seconds from the rounds this engine has
+run (smoothed, per batch size; a cost not measured yet, or only by its first pass (a warm-up), is taken as the
+cheapest it can be, so the round that measures it is tried). A row that has not verified the drafter's block for
+`probe_every` rounds verifies it again (its acceptance may have changed), and likewise a lookup it found, so an
+engine never stops learning.
 
 Lossless whatever it decides: the decision reads past rounds and the proposals' own contents (lookup drafts are a
 function of the text), never the target's logits of this round nor the drafter's sampled tokens (which would change
