@@ -150,8 +150,10 @@ def interval_mask(
     if implementation not in ENGINE_ATTENTION:
         raise ValueError(f"The D3D engine builds explicit masks for {' or '.join(ENGINE_ATTENTION)} attention, not "
                          f"{implementation!r}")
-    columns = torch.arange(kv_length, device=prefix_end.device)[None, None, :]
-    visible = sees(columns, prefix_end[..., None], own_start[..., None], own_end[..., None])[:, None]
+    # built in its final shape, never as a view: a compiled pass given a view guards on the viewed tensor's sizes too,
+    # which it does not mark dynamic (one more compile at the first new cache size)
+    columns = torch.arange(kv_length, device=prefix_end.device)
+    visible = sees(columns, prefix_end[:, None, :, None], own_start[:, None, :, None], own_end[:, None, :, None])
     if implementation == "sdpa":
         return visible
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, torch.finfo(dtype).min)

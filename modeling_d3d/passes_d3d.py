@@ -151,6 +151,9 @@ def run_pass(model, cache: StaticKVCache, layout: PassLayout, logits_to_keep: in
     fields = upload(torch.stack([layout.ids, layout.positions, layout.write_index, layout.prefix_end,
                                  layout.own_start, layout.own_end]), device)
     ids, positions, write_index, prefix_end, own_start, own_end = fields.unbind(0)
+    if forward is not None:  # a compiled pass's inputs, each its own tensor: given views of `fields`, it would guard
+        # on `fields`' sizes too, which are not marked dynamic (one more compile at the first new width or cache size)
+        ids, positions, write_index = ids.clone(), positions.clone(), write_index.clone()
     if tail is not None:
         ids[:rows, ids.shape[1] - tail.shape[1]:] = move(tail, device)
     cache.plan(ids.shape[0], write_index, kv_length, first_row)

@@ -14,7 +14,7 @@ from modeling_d3d.caches_d3d import StaticKVCache
 from modeling_d3d.generation_d3d import speculative_generate
 from modeling_d3d.passes_d3d import (PASS_KINDS, CompiledPasses, PassLayout, compiled_passes, prefill, prefill_groups,
                                      release_compiled_passes, run_pass)
-from modeling_d3d.shapes_d3d import COMPILE_LENGTH_BUCKET, attended_columns, engine_size
+from modeling_d3d.shapes_d3d import COMPILE_LENGTH_BUCKET, DYNAMIC_LENGTH_BUCKET, attended_columns, engine_size
 from modeling_d3d.successor_d3d import successor_pass
 from policies import EveryChoice
 
@@ -182,6 +182,35 @@ def test_after_the_warm_up_no_prompt_length_or_batch_size_compiles_again():
         assert threads["successor"] and main not in threads["successor"], threads
         # no drafting thread outlives its call (its idle OpenMP team would slow every later CPU operation)
         assert not any(thread.is_alive() for thread in threads["successor"]), threads
+    finally:
+        release_compiled_passes(target)
+        release_compiled_passes(drafter)
+
+
+def test_a_new_cache_size_after_plain_steps_and_blocks_compiles_nothing():
+    """`compile=True` (inductor on a CPU), synchronous, every kind of round by turns (`policies.EveryChoice` with a
+    lookup: the verify pass one column wide, then `B`, then a tree): after a warm-up of one row and of two, a call whose
+    cache is of the next size (its prompt past the warm-up's length bucket, `shapes_d3d.DYNAMIC_LENGTH_BUCKET`) compiles
+    nothing and stays token-identical to `generate`. The verify pass first compiles for one column (PyTorch specialises
+    a size of 1), then for every width: a mask passed as a view of a larger tensor had that tensor's cache size
+    specialised in the second graph, and the first new cache size compiled once more (4 s a verify pass on the
+    quickstart's target)."""
+    torch._dynamo.reset()
+    target, drafter = pair(3)
+    try:
+        counts = []
+        for lengths, seed in (([12], 0), ([14, 20], 1), ([DYNAMIC_LENGTH_BUCKET + 5], 2), ([13, DYNAMIC_LENGTH_BUCKET], 3)):
+            ids, mask = prompts(lengths, seed)
+            ids[:, -6:] = ids[:, -12:-6]  # a repeat, so that lookups find continuations
+            settings = dict(max_new_tokens=12, do_sample=False)
+            record = RoundRecord()
+            output = target.generate(ids, attention_mask=mask, custom_generate=speculative_generate, drafter=drafter,
+                                     compile=True, lookup=True, policy=EveryChoice(BLOCK), round_record=record,
+                                     **settings)
+            assert torch.equal(output, target.generate(ids, attention_mask=mask, **settings)), lengths
+            assert {o.verified for outcomes, _ in record.history for o in outcomes} >= {"nothing", "block", "lookup"}
+            counts.append(record.compilations)
+        assert counts[0] > 0 and counts[2:] == [0, 0], counts
     finally:
         release_compiled_passes(target)
         release_compiled_passes(drafter)
