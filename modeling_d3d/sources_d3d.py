@@ -133,15 +133,20 @@ def block_pass_layout(contexts: list[list[int]], committed: list[int], block_siz
 
 
 def catch_up(drafter, cache: StaticKVCache, contexts: list[list[int]], forward) -> None:
-    """With fixed shapes, rows whose drafter cache fell more than `B` tokens behind (rounds that did not run the
-    drafter: `policy_d3d`) are brought up to their anchor first, each in one eager pass, so that the block pass keeps
-    its one shape (`shapes_d3d.block_causal_width`)."""
+    """With fixed shapes, when a row's drafter cache fell more than `B` tokens behind (rounds that did not run the
+    drafter: `policy_d3d`), the rows from the first such row to the last are brought up to their anchors first, each
+    from its committed length, in one eager pass (`prefill`; more only past `passes_d3d.GROUP_COLUMNS`), so that the
+    block pass keeps its one shape (`shapes_d3d.block_causal_width`). Padded freely: fixed shapes are CUDA's, where
+    a pass this short costs its kernel launches, not its columns (a pass per row cost a launch-bound drafter pass
+    per row)."""
     if not fixed_shapes(forward):
         return
     block_size = drafter.config.block_size
-    for slot, context in enumerate(contexts):
-        if len(context) - 1 - cache.committed[slot] > block_size:
-            prefill(drafter, cache, slot, [context[:-1]], start=cache.committed[slot])
+    behind = [slot for slot, context in enumerate(contexts) if len(context) - 1 - cache.committed[slot] > block_size]
+    if behind:
+        first, last = behind[0], behind[-1]
+        prefill(drafter, cache, first, [context[:-1] for context in contexts[first : last + 1]],
+                starts=list(cache.committed[first : last + 1]), padding_waste=float("inf"))
 
 
 def commit_before_anchors(cache: StaticKVCache, contexts: list[list[int]]) -> None:

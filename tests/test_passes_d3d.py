@@ -15,6 +15,7 @@ from modeling_d3d.generation_d3d import speculative_generate
 from modeling_d3d.passes_d3d import (PASS_KINDS, CompiledPasses, PassLayout, compiled_passes, prefill, prefill_groups,
                                      release_compiled_passes, run_pass)
 from modeling_d3d.shapes_d3d import COMPILE_LENGTH_BUCKET, DYNAMIC_LENGTH_BUCKET, attended_columns, engine_size
+from modeling_d3d.sources_d3d import catch_up
 from modeling_d3d.successor_d3d import successor_pass
 from policies import EveryChoice
 
@@ -398,6 +399,34 @@ def test_prefill_groups_rows_while_padding_stays_small():
     assert prefill_groups([5, 5, 6, 20, 21, 0]) == [(0, 3), (3, 2), (5, 1)]
     assert prefill_groups([4] * 8) == [(0, 8)] and prefill_groups([]) == [] and prefill_groups([0, 0]) == [(0, 2)]
     assert prefill_groups([4096] * 5) == [(0, 2), (2, 2), (4, 1)]  # long prompts: a few rows a pass (mask memory)
+
+
+def test_rows_that_fell_behind_catch_up_in_one_pass_to_what_a_prefill_holds():
+    """Fixed shapes: when rows' drafter caches fell more than `B` tokens behind (rounds that verified lookups or
+    nothing), `catch_up` brings the rows from the first such row to the last up to their anchors in ONE drafter pass
+    (each from its own committed length; it was a pass per row), and each then holds what a prefill of its whole
+    context holds; a row after the last one behind is left as it was."""
+    _, drafter = pair(6)
+    generator = torch.Generator().manual_seed(1)
+    vocab = drafter.config.vocab_size
+    contexts = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in (30, 26, 33, 20)]
+    held = [10, 22, 8, 19]  # rows 0 and 2 are more than B = 4 tokens behind their anchors, 1 and 3 are not
+    cache = StaticKVCache(drafter.config, len(contexts), 64, "cpu", drafter.dtype)
+    for slot, (context, length) in enumerate(zip(contexts, held)):
+        prefill(drafter, cache, slot, [context[:length]])
+    passes = []
+    drafter.register_forward_hook(lambda module, args, kwargs, output: passes.append(kwargs["input_ids"].shape),
+                                  with_kwargs=True)
+    catch_up(drafter, cache, contexts, CompiledPasses(drafter, fixed=True, compile=False).forward("block"))
+    assert len(passes) == 1 and passes[0][0] == 3, passes
+    assert cache.committed == (29, 25, 32, 19)
+    fresh = StaticKVCache(drafter.config, len(contexts), 64, "cpu", drafter.dtype)
+    for slot, context in enumerate(contexts):
+        prefill(drafter, fresh, slot, [context[:-1]])
+    for buffers, expected in ((cache.keys, fresh.keys), (cache.values, fresh.values)):
+        for layer, reference in zip(buffers, expected):
+            for slot, length in enumerate(cache.committed):
+                torch.testing.assert_close(layer[slot, :, :length], reference[slot, :, :length])
 
 
 def test_rows_prefilled_together_hold_what_each_prefilled_alone_holds():
