@@ -149,9 +149,13 @@ class VerifyPolicy:
         weighted by `pooling`, at most `len(found)`."""
         if not found:
             return 0.0
-        pooled = self.priors[LOOKUP] if match is None else self.lookup_priors.get(match_bucket(match),
-                                                                                   self.priors[LOOKUP])
+        pooled = self.priors[LOOKUP] if match is None else self.lookup_prior(match_bucket(match))
         return min((1 - self.pooling) * history.lookup + self.pooling * pooled, len(found))
+
+    def lookup_prior(self, bucket: int) -> float:
+        """The pooled drafts kept by lookups whose match is in `bucket` (`match_bucket`); a bucket not seen yet starts
+        at the pool over every lookup."""
+        return self.lookup_priors.get(bucket, self.priors[LOOKUP])
 
     def plan(self, keys: list, lookups: list[list[int]], drafter: bool, greedy: list[bool] | None = None,
              trees: bool = False, matches: list[int] | None = None) -> RoundPlan:
@@ -205,7 +209,7 @@ class VerifyPolicy:
         """What the round of `plan` kept per row (`accepted_drafts`, for rows that went on; `branches[r]`: what a
         `BOTH` row's block and lookup each matched) and what its passes cost."""
         rows, rate = len(keys), self.smoothing
-        self._measure({1: "narrow", self.block_size: "wide"}.get(plan.width, "tree"), rows, verify_seconds)
+        self._measure(pass_kind(plan.width, self.block_size), rows, verify_seconds)
         if plan.drafter:
             self._measure("drafter", rows, drafter_seconds)
         for r, (key, choice, accepted, both, match) in enumerate(zip(keys, plan.choices, accepted_drafts,
@@ -239,7 +243,7 @@ class VerifyPolicy:
         pools so far, its start counted as one, moving at least by `pool_smoothing`."""
         if kind == LOOKUP and match is not None:
             bucket = match_bucket(match)
-            self.lookup_priors.setdefault(bucket, self.priors[LOOKUP])
+            self.lookup_priors[bucket] = self.lookup_prior(bucket)
             self._average(self.lookup_priors, bucket, (LOOKUP, bucket), observed)
         self._average(self.priors, kind, kind, observed)
 
@@ -287,6 +291,15 @@ def verify_width(choices: list[str], block_size: int) -> int:
     if BOTH in choices:
         return tree_width(block_size)
     return block_size if any(choice != NOTHING for choice in choices) else 1
+
+
+def pass_kind(width: int, block_size: int) -> str:
+    """The kind of verify pass (`VerifyPolicy.cost`'s) of `width` columns: `"narrow"` (1), `"wide"` (`B`) or `"tree"`
+    (`tree_width(B)`), the widths `verify_width` gives."""
+    kinds = {1: "narrow", block_size: "wide", tree_width(block_size): "tree"}
+    if width not in kinds:
+        raise RuntimeError(f"A verify pass of {width} columns is none of the policy's widths {sorted(kinds)}")
+    return kinds[width]
 
 
 def tree_width(block_size: int) -> int:
@@ -411,5 +424,6 @@ def untangled(plan: RoundPlan, proposal: Proposal, lookups: list[list[int]], blo
 
 
 __all__ = ["BLOCK", "BOTH", "DEFAULT_BLOCK_SIZE", "LOOKUP", "NOTHING", "RoundPlan", "RowHistory", "VerifyPolicy",
-           "apply_plan", "check_policy_width", "make_chooser", "match_bucket", "policy_for", "tree_width", "untangled",
+           "apply_plan", "check_policy_width", "make_chooser", "match_bucket", "pass_kind", "policy_for", "tree_width",
+           "untangled",
            "verify_width"]

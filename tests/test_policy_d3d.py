@@ -18,7 +18,7 @@ from modeling_d3d.generation_d3d import speculative_generate
 from modeling_d3d.lookup_d3d import CANDIDATES, MAX_MATCH, LookupSource, NgramIndex
 from modeling_d3d.sources_d3d import Proposal
 from modeling_d3d.policy_d3d import (BLOCK, BOTH, LOOKUP, NOTHING, RoundPlan, VerifyPolicy, make_chooser, match_bucket,
-                                     untangled)
+                                     pass_kind, untangled, verify_width)
 from policies import EveryChoice
 
 REPEATING = [1, 5, 2, 7, 3, 1, 5, 2, 7, 3, 1, 5]  # its suffix [1, 5] occurred before: lookups find [2, 7, 3, ...]
@@ -558,3 +558,13 @@ def test_the_policy_measures_plain_steps_and_skips_drafting_where_a_batch_makes_
         choices[plan.choices[0]] += 1
     assert policy.cost("narrow", 16) == seconds["narrow"]
     assert choices[NOTHING] > 3 * choices[BLOCK]
+
+
+def test_each_verify_width_is_one_kind_of_pass_and_no_other_width_is_priced():
+    """The widths a plan verifies (`verify_width`) and the kinds of pass the policy prices are one rule: 1 column a
+    narrow pass, `B` a wide one, `2B - 1` a tree; a pass of any other width is an engine bug, not a tree."""
+    for block_size in (2, 4, 16):
+        assert [pass_kind(verify_width(choices, block_size), block_size)
+                for choices in ([NOTHING], [BLOCK, NOTHING], [LOOKUP], [BOTH, BLOCK])] == ["narrow", "wide", "wide", "tree"]
+    with pytest.raises(RuntimeError, match="8 columns"):
+        pass_kind(8, 16)
