@@ -50,8 +50,14 @@ class NgramIndex:
         self.ends = [{} for _ in range(self.max_ngram)]
 
     def extend(self, context: list[int]) -> None:
-        """Catch up with `context` (the text so far, which only grows): index the n-grams ending before its end."""
+        """Catch up with `context` (the text so far, which only grows): index the n-grams ending before its end.
+        Raises `RuntimeError` (an engine bug) for a context shorter than the indexed text or whose token at the
+        indexed text's end differs (a check of one token: drafts are verified anyway, but a stale index would draft
+        from another text)."""
         old = len(self.text)
+        if len(context) < old or (old and context[old - 1] != self.text[old - 1]):
+            raise RuntimeError(f"A row's context of {len(context)} tokens does not extend the {old} tokens its lookup "
+                               "index holds")
         self.text.extend(context[old:])
         longest = self.ends[-1]
         for end in range(max(old, 1), len(self.text)):

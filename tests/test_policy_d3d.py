@@ -41,6 +41,17 @@ def test_a_lookup_continues_the_longest_suffix_where_the_text_before_it_agrees_l
     assert longest.continuation(min_ngram=2, count=3) == ([5, 0, 1], 3)
 
 
+def test_a_lookup_index_refuses_a_context_that_does_not_extend_its_text():
+    """An index only grows with its row's text: a shorter context, or one whose token at the indexed end differs, is
+    an engine bug (it would draft from another text), not a silent stale index."""
+    index = NgramIndex(max_ngram=2)
+    index.extend([4, 1, 2, 9])
+    index.extend([4, 1, 2, 9, 5])
+    for other in ([4, 1, 2], [4, 1, 2, 9, 6, 6]):
+        with pytest.raises(RuntimeError, match="does not extend"):
+            index.extend(other)
+
+
 def test_a_lookups_match_is_its_agreement_with_the_text_capped_and_compared_chunk_by_chunk():
     generator = torch.Generator().manual_seed(0)
     for _ in range(200):
