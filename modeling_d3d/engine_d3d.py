@@ -288,8 +288,9 @@ class SpeculativeEngine:
 
     @torch.no_grad()
     def add(self, key: Hashable, prompt: list[int], settings: RowSettings, drafter_prompt: list[int] | None = None) -> None:
-        """Prefill `prompt` (all but its last token) in the target and the drafter's prompt in the drafter (the same
-        unless given: selective prefill), and join the batch (`add_rows` of one request)."""
+        """Prefill `prompt` (all but its last token) in the target, give the drafter source the drafter's prompt (the
+        same unless given: selective prefill; it prefills on the row's first block round), and join the batch
+        (`add_rows` of one request)."""
         self.add_rows([(key, prompt, settings, drafter_prompt)])
 
     @torch.no_grad()
@@ -382,9 +383,10 @@ class SpeculativeEngine:
         verify_seconds = seconds(verify_start, verify_end)
         # exposed: the target's stream waited for the drafts before verifying, then for the worker
         exposed = (seconds(start, verify_start) if proposal is not None else 0.0) + drafting.exposed
-        if self.policy is not None:
-            self.policy.observe(keys, plan, [outcome.accepted_drafts for outcome in outcomes], verify_seconds, exposed,
-                                [outcome.branches for outcome in outcomes])
+        if self.policy is not None:  # a round whose drafter first caught rows up does not price drafting
+            drafter_seconds = None if proposal is not None and proposal.caught_up else exposed
+            self.policy.observe(keys, plan, [outcome.accepted_drafts for outcome in outcomes], verify_seconds,
+                                drafter_seconds, [outcome.branches for outcome in outcomes])
         # 8. finished and failed rows leave
         self._keep([i for i, outcome in enumerate(outcomes) if not outcome.finished])
         total = time.perf_counter() - start.host

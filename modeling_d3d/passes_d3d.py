@@ -311,33 +311,38 @@ GROUP_COLUMNS = 8192  # and while its columns (rows x longest) stay within this 
 
 
 def prefill(model, cache: StaticKVCache, first_slot: int, token_rows: list[list[int]],
-            starts: int | list[int] = 0, padding_waste: float = PADDING_WASTE) -> None:
-    """Commit `token_rows[i]` (prompts without their last token) to cache row `first_slot + i`, from column
-    `starts[i]` on (the row holds the ones before; an int: every row's start), in one eager pass per group of
-    consecutive rows (`prefill_groups`, with `padding_waste`), each row right-padded to its group's longest: a padding
-    column writes past its row's end, which nothing has committed and no real column sees (the next pass overwrites
-    it). `cache.committed[first_slot + i]` becomes `len(token_rows[i])`."""
+            starts: int | list[int] = 0) -> None:
+    """Commit `token_rows[i]` (prompts without their last token) to cache row `first_slot + i`, whose first `starts[i]`
+    columns hold its first tokens already (an int: every row's start), in one eager pass per group of consecutive rows
+    (`prefill_groups`, by what each row has left), each row's part as wide as its group's widest: a row with less left
+    re-reads tokens before its start (the same keys and values again) where it has them, else is right-padded, so a
+    padding column writes only past a row's end within its group's width, which nothing has committed and no real
+    column sees (the next pass overwrites it) and which lies in the cache (a row padded past its own start could reach
+    past the cache's last column). `cache.committed[first_slot + i]` becomes `len(token_rows[i])`."""
     starts = [starts] * len(token_rows) if isinstance(starts, int) else starts
-    tails = [tokens[start:] for tokens, start in zip(token_rows, starts)]
-    for first, count in prefill_groups([len(tail) for tail in tails], padding_waste):
-        group = tails[first : first + count]
-        width = max(len(tail) for tail in group)
+    if any(not 0 <= start <= len(tokens) for tokens, start in zip(token_rows, starts)):
+        raise RuntimeError("A prefill from past a row's tokens (its cache would hold more than its context)")
+    left = [len(tokens) - start for tokens, start in zip(token_rows, starts)]
+    for first, count in prefill_groups(left):
+        rows = range(first, first + count)
+        width = max(left[row] for row in rows)
         if width:
-            ids = torch.tensor([tail + [0] * (width - len(tail)) for tail in group])
-            run_pass(model, cache, PassLayout.causal(ids, torch.tensor(starts[first : first + count])), 1,
-                     first_row=first_slot + first)
+            group_starts = [max(0, min(starts[row], len(token_rows[row]) - width)) for row in rows]
+            tails = [token_rows[row][start:] for row, start in zip(rows, group_starts)]
+            ids = torch.tensor([tail + [0] * (width - len(tail)) for tail in tails])
+            run_pass(model, cache, PassLayout.causal(ids, torch.tensor(group_starts)), 1, first_row=first_slot + first)
     for i, tokens in enumerate(token_rows):
         cache.commit(first_slot + i, len(tokens))
 
 
-def prefill_groups(lengths: list[int], padding_waste: float = PADDING_WASTE) -> list[tuple[int, int]]:
+def prefill_groups(lengths: list[int]) -> list[tuple[int, int]]:
     """Consecutive groups `(first, count)` of rows of `lengths` tokens, each as long as its padded columns (`count`
-    times its longest) stay within `padding_waste` times its tokens and within `GROUP_COLUMNS`."""
+    times its longest) stay within `PADDING_WASTE` times its tokens and within `GROUP_COLUMNS`."""
     groups, first = [], 0
     for end in range(1, len(lengths) + 1):
         grown = lengths[first : end + 1]
         columns = len(grown) * max(grown)
-        if end == len(lengths) or columns > padding_waste * sum(grown) or columns > GROUP_COLUMNS:
+        if end == len(lengths) or columns > PADDING_WASTE * sum(grown) or columns > GROUP_COLUMNS:
             groups.append((first, end - first))
             first = end
     return groups

@@ -22,7 +22,7 @@ with the other's (`untangled`: a function of the drafts, which are the argmax fo
 """
 
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -205,12 +205,13 @@ class VerifyPolicy:
                          matches)
 
     def observe(self, keys: list, plan: RoundPlan, accepted_drafts: list[int], verify_seconds: float,
-                drafter_seconds: float, branches: list[tuple[int, int] | None] | None = None) -> None:
+                drafter_seconds: float | None, branches: list[tuple[int, int] | None] | None = None) -> None:
         """What the round of `plan` kept per row (`accepted_drafts`, for rows that went on; `branches[r]`: what a
-        `BOTH` row's block and lookup each matched) and what its passes cost."""
+        `BOTH` row's block and lookup each matched) and what its passes cost (`drafter_seconds` None: not a drafting
+        pass's cost alone, e.g. rows were prefilled first, `sources_d3d.catch_up`)."""
         rows, rate = len(keys), self.smoothing
         self._measure(pass_kind(plan.width, self.block_size), rows, verify_seconds)
-        if plan.drafter:
+        if plan.drafter and drafter_seconds is not None:
             self._measure("drafter", rows, drafter_seconds)
         for r, (key, choice, accepted, both, match) in enumerate(zip(keys, plan.choices, accepted_drafts,
                                                                     branches or [None] * rows,
@@ -404,8 +405,8 @@ def apply_plan(plan: RoundPlan, proposal: Proposal | None, lookups: list[list[in
                 logits[r] = one_hot_logits(tokens, vocab_size).to(logits.device)
     if second is not None:
         second, num_second = second.to(drafts.device), num_second.to(drafts.device)
-    return plan, Proposal(drafts, num_drafts, logits, proposal.looked_up, proposal.hits, proposal.exposed_seconds,
-                          proposal.errors, second, num_second)
+    return plan, replace(proposal, drafts=drafts, num_drafts=num_drafts, logits=logits, second=second,
+                         num_second=num_second)
 
 
 def untangled(plan: RoundPlan, proposal: Proposal, lookups: list[list[int]], block_size: int) -> RoundPlan:

@@ -4,7 +4,8 @@ A source owns the drafter, its `StaticKVCache` (whose `committed` lengths say wh
 the source changes them only through `StaticKVCache.commit`) and per-slot state; the engine owns the rows and their
 slots. The interface is `DrafterSource`:
 
-- `allocate(slots, capacity)`, `add(slot, context)` (prefill), `move(from_slot, to_slot)` (a row changing slot);
+- `allocate(slots, capacity)`, `add(slot, context)` (a new row: its drafter context is prefilled on its first block
+  round, `catch_up`, so a row that never drafts never pays it), `move(from_slot, to_slot)` (a row changing slot);
 - `propose(contexts, sampling) -> Proposal`: drafts for every row (the context ends with the anchor);
 - `observe(contexts, added) -> DraftTiming`: the tokens each row added this round (the contexts before the round);
 - `wait()` (let background drafting end), `close()`.
@@ -32,7 +33,9 @@ class Proposal:
     """One round's candidates. drafts `(rows, m)` long and num_drafts `(rows,)` (real drafts per row; the rest is
     padding); logits `(rows, m, vocab)` processed (q = softmax), None when no row samples; looked_up / hits: per row,
     whether prepared branches were searched and whether one served it; exposed_seconds: host seconds `propose` took
-    (the engine times the drafting its target waited for with its own clock, `streams_d3d.Clock`); errors: rows
+    (the engine times the drafting its target waited for with its own clock, `streams_d3d.Clock`); caught_up: whether
+    `propose` first brought rows far behind up to their anchors (`catch_up`: then its seconds are not a drafting
+    pass's, and the verify policy does not price drafting by them); errors: rows
     whose own drafting step (their logits processors) failed, by row index (those rows end); second `(rows, m)` and
     num_second `(rows,)`: a second branch of drafts after the same anchor (a tree round, `policy_d3d.BOTH`; greedy
     rows only, so no q), None in other rounds."""
@@ -44,6 +47,7 @@ class Proposal:
     hits: list[bool]
     exposed_seconds: float = 0.0
     errors: dict[int, BaseException] = field(default_factory=dict)
+    caught_up: bool = False
     second: torch.Tensor | None = None
     num_second: torch.Tensor | None = None
 
@@ -71,7 +75,8 @@ class DrafterSource(Protocol):
         """Caches for `slots` rows of contexts up to `capacity` tokens."""
 
     def add(self, first_slot: int, contexts: list[list[int]]) -> None:
-        """Prefill new rows' contexts (all but their anchors) in slots `first_slot..`."""
+        """New rows in slots `first_slot..` (their contexts: all but the anchors to cache, now or on their first
+        block round)."""
 
     def move(self, from_slot: int, to_slot: int) -> None:
         """A row changes slot (an earlier row left)."""
@@ -132,21 +137,22 @@ def block_pass_layout(contexts: list[list[int]], committed: list[int], block_siz
     return layout.build()
 
 
-def catch_up(drafter, cache: StaticKVCache, contexts: list[list[int]], forward) -> None:
-    """With fixed shapes, when a row's drafter cache fell more than `B` tokens behind (rounds that did not run the
-    drafter: `policy_d3d`), the rows from the first such row to the last are brought up to their anchors first, each
-    from its committed length, in one eager pass (`prefill`; more only past `passes_d3d.GROUP_COLUMNS`), so that the
-    block pass keeps its one shape (`shapes_d3d.block_causal_width`). Padded freely: fixed shapes are CUDA's, where
-    a pass this short costs its kernel launches, not its columns (a pass per row cost a launch-bound drafter pass
-    per row)."""
-    if not fixed_shapes(forward):
-        return
+def catch_up(drafter, cache: StaticKVCache, contexts: list[list[int]]) -> bool:
+    """Before a block pass: rows whose drafter cache is more than `B` tokens behind their anchor (rows that joined:
+    a row's drafter context is prefilled on its first block round, so a row that never drafts never pays it; rows
+    whose rounds did not run the drafter, `policy_d3d`) are brought up to their anchors, the rows from the first such
+    row to the last in `prefill` (each from its committed length; a row between them that is not behind keeps its
+    cache), so that the block pass reads at most `B` uncached tokens a row (one shape with fixed shapes:
+    `shapes_d3d.block_causal_width`) and times drafting alone. Returns whether any row was behind."""
     block_size = drafter.config.block_size
-    behind = [slot for slot, context in enumerate(contexts) if len(context) - 1 - cache.committed[slot] > block_size]
-    if behind:
-        first, last = behind[0], behind[-1]
-        prefill(drafter, cache, first, [context[:-1] for context in contexts[first : last + 1]],
-                starts=list(cache.committed[first : last + 1]), padding_waste=float("inf"))
+    behind = [len(context) - 1 - cache.committed[slot] > block_size for slot, context in enumerate(contexts)]
+    if not any(behind):
+        return False
+    first, last = behind.index(True), len(behind) - 1 - behind[::-1].index(True)
+    span = range(first, last + 1)
+    prefill(drafter, cache, first, [contexts[slot][: -1 if behind[slot] else cache.committed[slot]] for slot in span],
+            starts=[cache.committed[slot] for slot in span])
+    return True
 
 
 def commit_before_anchors(cache: StaticKVCache, contexts: list[list[int]]) -> None:
@@ -195,7 +201,9 @@ class BlockSource:
             self.cache = None
 
     def add(self, first_slot: int, contexts: list[list[int]]) -> None:
-        prefill(self.drafter, self.cache, first_slot, [context[:-1] for context in contexts])
+        """Nothing cached yet: the first block round prefills (`catch_up`)."""
+        for slot in range(first_slot, first_slot + len(contexts)):
+            self.cache.commit(slot, 0)
 
     def move(self, from_slot: int, to_slot: int) -> None:
         self.cache.move_row(from_slot, to_slot)
@@ -203,7 +211,7 @@ class BlockSource:
     def propose(self, contexts: list[list[int]], sampling: list[RowSampling]) -> Proposal:
         """One block pass for every row: drafts `(rows, B - 1)`, of which the first `max_drafts` are proposed."""
         start, rows = time.perf_counter(), len(contexts)
-        catch_up(self.drafter, self.cache, contexts, self.forward)
+        caught_up = catch_up(self.drafter, self.cache, contexts)
         layout = block_pass_layout(contexts, self.cache.committed[:rows], self.block_size, self.drafter.config.mask_token_id,
                               fixed_shapes(self.forward))
         raw = run_pass(self.drafter, self.cache, layout, self.block_size - 1, forward=self.forward)
@@ -212,7 +220,7 @@ class BlockSource:
         drafts, logits = drafts_from_logits(raw, contexts, sampling, errors)
         return Proposal(drafts, torch.full((rows,), self.max_drafts, device=drafts.device),
                         logits if any(s.do_sample for s in sampling) else None, [False] * rows, [False] * rows,
-                        time.perf_counter() - start, errors=errors)
+                        time.perf_counter() - start, errors=errors, caught_up=caught_up)
 
     def observe(self, contexts: list[list[int]], added: list[list[int]]) -> DraftTiming:
         """Nothing to do: the cache holds each row's tokens before its old anchor, a prefix of its new context; no

@@ -179,6 +179,7 @@ class SuccessorSource(BlockSource):
         errors = {r: self.branches[r] for r in range(rows) if isinstance(self.branches[r], BaseException)}
         looked_up = [isinstance(self.branches[r], PreparedBranches) for r in range(rows)]
         found = [self._lookup(r, contexts[r]) for r in range(rows)]
+        caught_up = False
         if all(index is not None for index in found):
             first = self.branches[0]
             drafts = first.tokens.new_zeros(rows, width)
@@ -186,7 +187,7 @@ class SuccessorSource(BlockSource):
             logits = torch.zeros(rows, width, self.drafter.config.vocab_size, device=drafts.device) if sampled else None
         else:  # a row served from its branches draws nothing here: its draws may not depend on its companions
             drafting = [s if index is None else RowSampling(s.logits_processor) for s, index in zip(sampling, found)]
-            catch_up(self.drafter, self.cache, contexts, self.forward)
+            caught_up = catch_up(self.drafter, self.cache, contexts)
             layout = block_pass_layout(contexts, self.cache.committed[:rows], self.block_size,
                                   self.drafter.config.mask_token_id, fixed_shapes(self.forward))
             raw = run_pass(self.drafter, self.cache, layout, self.block_size - 1, forward=self.forward)
@@ -216,7 +217,7 @@ class SuccessorSource(BlockSource):
                                               drafted)
         self._worker_ran = True
         return Proposal(drafts, num_drafts, logits, looked_up, [index is not None for index in found], exposed,
-                        errors=errors)
+                        errors=errors, caught_up=caught_up)
 
     def _ranked(self, logits: torch.Tensor) -> torch.Tensor:
         """`(..., F + 1)` the drafter's most probable tokens per position of processed `logits` `(..., vocab)`, the

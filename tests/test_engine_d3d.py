@@ -19,6 +19,7 @@ from modeling_d3d.acceptance_d3d import RowSampling
 from modeling_d3d.caches_d3d import StaticKVCache
 from modeling_d3d.generation_d3d import speculative_generate
 from modeling_d3d.passes_d3d import prefill, run_pass
+from modeling_d3d.policy_d3d import VerifyPolicy
 from modeling_d3d.sources_d3d import block_pass_layout
 from modeling_d3d.successor_d3d import plan_alternatives, successor_pass
 
@@ -586,8 +587,9 @@ def test_a_criterion_that_fires_before_an_eos_in_the_same_round_stops_there():
 
 
 def test_requests_of_similar_lengths_share_one_prefill_pass_and_decode_as_alone():
-    """`add_rows`: eight prompts of 10-12 tokens and two of 30 are prefilled in two target passes (and two drafter
-    passes), not ten, and every row decodes to what the target alone gives it."""
+    """`add_rows`: eight prompts of 10-12 tokens and two of 30 are prefilled in two target passes, not ten (the
+    drafter's in two passes too, on the first round that drafts, before its block pass), and every row decodes to
+    what the target alone gives it."""
     target, drafter = pair(3, 4, 32)
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 32, (n,), generator=generator).tolist() for n in (11, 30, 10, 12, 12, 11, 10, 31, 12, 10)]
@@ -599,10 +601,36 @@ def test_requests_of_similar_lengths_share_one_prefill_pass_and_decode_as_alone(
     assert len(decoder) == 0 and decoder.round_record.prefill_seconds == 0.0
     try:
         decoder.add_rows([(key, prompt, RowSettings(8), None) for key, prompt in enumerate(prompts)])
+        assert calls == {"target": 2, "drafter": 0}
+        outputs = {}
+        assert drive(decoder, outputs, rounds=1) == {}
     finally:
         for hook in hooks:
             hook.remove()
-    assert calls == {"target": 2, "drafter": 2}
-    outputs = {}
+    assert calls == {"target": 3, "drafter": 3}
     assert drive(decoder, outputs) == {}
     assert outputs == {key: alone(target, prompt, 8) for key, prompt in enumerate(prompts)}
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_drafter_prefills_a_row_on_its_first_block_round_only(kind):
+    """Rows join with the target's prefill alone (a request's first token waits for no drafter pass); the drafter
+    reads a row's context on the row's first round that verifies its block (`sources_d3d.catch_up`), so rows whose
+    rounds never verify the drafter's block (plain steps, the policy's choice where drafting does not pay) never run
+    it. Both decode as the target alone."""
+    target, drafter = pair(21, 4, 40)
+    passes = []
+    drafter.register_forward_hook(lambda *_: passes.append(1))
+    prompts = [torch.randint(0, 40, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (15, 23, 9)]
+    plain = VerifyPolicy(4, costs={"narrow": 1.0, "wide": 50.0, "drafter": 50.0}, probe_every=1000)
+    for policy, drafts in ((plain, False), (None, True)):  # None: the drafter's block every round
+        passes.clear()
+        engine = SpeculativeEngine(target, SOURCES[kind](drafter), max_rows=4, max_length=64, policy=policy)
+        engine.add_rows([(i, prompt, RowSettings(10), None) for i, prompt in enumerate(prompts)])
+        assert passes == []  # the join ran the target only
+        outputs = {}
+        assert drive(engine, outputs) == {}
+        engine.close()
+        assert bool(passes) == drafts
+        for i, prompt in enumerate(prompts):
+            assert outputs[i] == alone(target, prompt, 10), (policy, i)

@@ -401,25 +401,27 @@ def test_prefill_groups_rows_while_padding_stays_small():
     assert prefill_groups([4096] * 5) == [(0, 2), (2, 2), (4, 1)]  # long prompts: a few rows a pass (mask memory)
 
 
-def test_rows_that_fell_behind_catch_up_in_one_pass_to_what_a_prefill_holds():
-    """Fixed shapes: when rows' drafter caches fell more than `B` tokens behind (rounds that verified lookups or
-    nothing), `catch_up` brings the rows from the first such row to the last up to their anchors in ONE drafter pass
-    (each from its own committed length; it was a pass per row), and each then holds what a prefill of its whole
-    context holds; a row after the last one behind is left as it was."""
+def test_rows_far_behind_catch_up_to_what_a_prefill_holds_and_rows_between_keep_their_cache():
+    """Before a block pass, rows whose drafter cache is more than `B` tokens behind (rows that joined, prefilled on
+    their first block round; rows whose rounds verified lookups or nothing) are brought up to their anchors in
+    `prefill` passes (fewer than a pass per row where their tails are alike), each then holding what a prefill of its
+    whole context holds; a row between them that is not behind, and a row after the last, keep their caches."""
     _, drafter = pair(6)
     generator = torch.Generator().manual_seed(1)
     vocab = drafter.config.vocab_size
-    contexts = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in (30, 26, 33, 20)]
-    held = [10, 22, 8, 19]  # rows 0 and 2 are more than B = 4 tokens behind their anchors, 1 and 3 are not
+    contexts = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in (30, 26, 33, 31, 20)]
+    held = [10, 22, 12, 11, 19]  # rows 0, 2 and 3 are more than B = 4 tokens behind their anchors, 1 and 4 are not
     cache = StaticKVCache(drafter.config, len(contexts), 64, "cpu", drafter.dtype)
     for slot, (context, length) in enumerate(zip(contexts, held)):
         prefill(drafter, cache, slot, [context[:length]])
+    before = [layer.clone() for layer in cache.keys]
     passes = []
     drafter.register_forward_hook(lambda module, args, kwargs, output: passes.append(kwargs["input_ids"].shape),
                                   with_kwargs=True)
-    catch_up(drafter, cache, contexts, CompiledPasses(drafter, fixed=True, compile=False).forward("block"))
-    assert len(passes) == 1 and passes[0][0] == 3, passes
-    assert cache.committed == (29, 25, 32, 19)
+    assert catch_up(drafter, cache, contexts)
+    assert len(passes) == 2, passes  # row 0 alone, rows 2 and 3 (tails of 20 and 19 tokens) together
+    assert cache.committed == (29, 22, 32, 30, 19)
+    assert not catch_up(drafter, cache, contexts) and len(passes) == 2  # nothing behind now: no pass
     fresh = StaticKVCache(drafter.config, len(contexts), 64, "cpu", drafter.dtype)
     for slot, context in enumerate(contexts):
         prefill(drafter, fresh, slot, [context[:-1]])
@@ -427,6 +429,30 @@ def test_rows_that_fell_behind_catch_up_in_one_pass_to_what_a_prefill_holds():
         for layer, reference in zip(buffers, expected):
             for slot, length in enumerate(cache.committed):
                 torch.testing.assert_close(layer[slot, :, :length], reference[slot, :, :length])
+    for layer, old in zip(cache.keys, before):
+        assert torch.equal(layer[1, :, :22], old[1, :, :22]) and torch.equal(layer[4], old[4])
+
+
+def test_a_catch_up_beside_a_row_near_its_caches_end_writes_nothing_past_it():
+    """Two rows caught up in one pass, one far behind, one a little behind at the end of its cache: the shorter part
+    re-reads tokens before its start rather than pad past its row's end (which would lie past the cache's last column:
+    `plan` refuses such a pass on a CPU, and on CUDA the write would index out of the buffer). Found by a review."""
+    _, drafter = pair(7)
+    generator = torch.Generator().manual_seed(2)
+    contexts = [torch.randint(0, drafter.config.vocab_size, (n,), generator=generator).tolist() for n in (200, 255)]
+    cache = StaticKVCache(drafter.config, 2, 256 + 1 + 2 * BLOCK, "cpu", drafter.dtype)
+    for slot, (context, behind) in enumerate(zip(contexts, (20, 5))):
+        prefill(drafter, cache, slot, [context[: len(context) - 1 - behind]])
+    assert catch_up(drafter, cache, contexts)
+    assert cache.committed == (199, 254)
+    fresh = StaticKVCache(drafter.config, 2, cache.capacity, "cpu", drafter.dtype)
+    for slot, context in enumerate(contexts):
+        prefill(drafter, fresh, slot, [context[:-1]])
+    for layer, reference in zip(cache.keys + cache.values, fresh.keys + fresh.values):
+        for slot, length in enumerate(cache.committed):
+            torch.testing.assert_close(layer[slot, :, :length], reference[slot, :, :length])
+    with pytest.raises(RuntimeError, match="past a row's tokens"):
+        prefill(drafter, cache, 0, [contexts[0][:10]], starts=[11])
 
 
 def test_rows_prefilled_together_hold_what_each_prefilled_alone_holds():
