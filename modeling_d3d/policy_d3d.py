@@ -205,13 +205,12 @@ class VerifyPolicy:
                          matches)
 
     def observe(self, keys: list, plan: RoundPlan, accepted_drafts: list[int], verify_seconds: float,
-                drafter_seconds: float | None, branches: list[tuple[int, int] | None] | None = None) -> None:
+                drafter_seconds: float, branches: list[tuple[int, int] | None] | None = None) -> None:
         """What the round of `plan` kept per row (`accepted_drafts`, for rows that went on; `branches[r]`: what a
-        `BOTH` row's block and lookup each matched) and what its passes cost (`drafter_seconds` None: not a drafting
-        pass's cost alone, e.g. rows were prefilled first, `sources_d3d.catch_up`)."""
+        `BOTH` row's block and lookup each matched) and what its passes cost."""
         rows, rate = len(keys), self.smoothing
         self._measure(pass_kind(plan.width, self.block_size), rows, verify_seconds)
-        if plan.drafter and drafter_seconds is not None:
+        if plan.drafter:
             self._measure("drafter", rows, drafter_seconds)
         for r, (key, choice, accepted, both, match) in enumerate(zip(keys, plan.choices, accepted_drafts,
                                                                     branches or [None] * rows,

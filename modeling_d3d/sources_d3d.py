@@ -26,6 +26,7 @@ from .acceptance_d3d import RowSampling, drafts_from_logits
 from .caches_d3d import StaticKVCache
 from .passes_d3d import CompiledPasses, PassLayout, PassLayoutBuilder, fixed_shapes, prefill, run_pass
 from .shapes_d3d import block_causal_width, block_scratch_columns
+from .streams_d3d import synchronize
 
 
 @dataclass
@@ -33,9 +34,9 @@ class Proposal:
     """One round's candidates. drafts `(rows, m)` long and num_drafts `(rows,)` (real drafts per row; the rest is
     padding); logits `(rows, m, vocab)` processed (q = softmax), None when no row samples; looked_up / hits: per row,
     whether prepared branches were searched and whether one served it; exposed_seconds: host seconds `propose` took
-    (the engine times the drafting its target waited for with its own clock, `streams_d3d.Clock`); caught_up: whether
-    `propose` first brought rows far behind up to their anchors (`catch_up`: then its seconds are not a drafting
-    pass's, and the verify policy does not price drafting by them); errors: rows
+    (the engine times the drafting its target waited for with its own clock, `streams_d3d.Clock`); caught_up_seconds:
+    seconds `propose` first took to bring rows far behind up to their anchors (`catch_up`, waited for on the device:
+    not a drafting pass's cost, which the verify policy learns without them); errors: rows
     whose own drafting step (their logits processors) failed, by row index (those rows end); second `(rows, m)` and
     num_second `(rows,)`: a second branch of drafts after the same anchor (a tree round, `policy_d3d.BOTH`; greedy
     rows only, so no q), None in other rounds."""
@@ -47,7 +48,7 @@ class Proposal:
     hits: list[bool]
     exposed_seconds: float = 0.0
     errors: dict[int, BaseException] = field(default_factory=dict)
-    caught_up: bool = False
+    caught_up_seconds: float = 0.0
     second: torch.Tensor | None = None
     num_second: torch.Tensor | None = None
 
@@ -137,22 +138,25 @@ def block_pass_layout(contexts: list[list[int]], committed: list[int], block_siz
     return layout.build()
 
 
-def catch_up(drafter, cache: StaticKVCache, contexts: list[list[int]]) -> bool:
+def catch_up(drafter, cache: StaticKVCache, contexts: list[list[int]]) -> float:
     """Before a block pass: rows whose drafter cache is more than `B` tokens behind their anchor (rows that joined:
     a row's drafter context is prefilled on its first block round, so a row that never drafts never pays it; rows
     whose rounds did not run the drafter, `policy_d3d`) are brought up to their anchors, the rows from the first such
     row to the last in `prefill` (each from its committed length; a row between them that is not behind keeps its
     cache), so that the block pass reads at most `B` uncached tokens a row (one shape with fixed shapes:
-    `shapes_d3d.block_causal_width`) and times drafting alone. Returns whether any row was behind."""
+    `shapes_d3d.block_causal_width`). Returns the seconds it took, its passes waited for on the device (0.0 when no
+    row was behind: nothing ran, nothing waited)."""
     block_size = drafter.config.block_size
     behind = [len(context) - 1 - cache.committed[slot] > block_size for slot, context in enumerate(contexts)]
     if not any(behind):
-        return False
+        return 0.0
+    start = time.perf_counter()
     first, last = behind.index(True), len(behind) - 1 - behind[::-1].index(True)
     span = range(first, last + 1)
     prefill(drafter, cache, first, [contexts[slot][: -1 if behind[slot] else cache.committed[slot]] for slot in span],
             starts=[cache.committed[slot] for slot in span])
-    return True
+    synchronize(cache.device)  # rare (joins, long stretches without drafting): a wait that times it
+    return time.perf_counter() - start
 
 
 def commit_before_anchors(cache: StaticKVCache, contexts: list[list[int]]) -> None:
@@ -220,7 +224,8 @@ class BlockSource:
         drafts, logits = drafts_from_logits(raw, contexts, sampling, errors)
         return Proposal(drafts, torch.full((rows,), self.max_drafts, device=drafts.device),
                         logits if any(s.do_sample for s in sampling) else None, [False] * rows, [False] * rows,
-                        time.perf_counter() - start, errors=errors, caught_up=caught_up)
+                        time.perf_counter() - start, errors=errors,
+                        caught_up_seconds=caught_up)
 
     def observe(self, contexts: list[list[int]], added: list[list[int]]) -> DraftTiming:
         """Nothing to do: the cache holds each row's tokens before its old anchor, a prefix of its new context; no

@@ -179,7 +179,7 @@ class SuccessorSource(BlockSource):
         errors = {r: self.branches[r] for r in range(rows) if isinstance(self.branches[r], BaseException)}
         looked_up = [isinstance(self.branches[r], PreparedBranches) for r in range(rows)]
         found = [self._lookup(r, contexts[r]) for r in range(rows)]
-        caught_up = False
+        caught_up = 0.0
         if all(index is not None for index in found):
             first = self.branches[0]
             drafts = first.tokens.new_zeros(rows, width)
@@ -217,7 +217,7 @@ class SuccessorSource(BlockSource):
                                               drafted)
         self._worker_ran = True
         return Proposal(drafts, num_drafts, logits, looked_up, [index is not None for index in found], exposed,
-                        errors=errors, caught_up=caught_up)
+                        errors=errors, caught_up_seconds=caught_up)
 
     def _ranked(self, logits: torch.Tensor) -> torch.Tensor:
         """`(..., F + 1)` the drafter's most probable tokens per position of processed `logits` `(..., vocab)`, the
