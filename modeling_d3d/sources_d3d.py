@@ -5,7 +5,7 @@ the source changes them only through `StaticKVCache.commit`) and per-slot state;
 slots. The interface is `DrafterSource`:
 
 - `allocate(slots, capacity)`, `add(slot, context)` (a new row: its drafter context is prefilled on its first block
-  round, `catch_up`, so a row that never drafts never pays it), `move(from_slot, to_slot)` (a row changing slot);
+  round, `catch_up`, so a batch that never drafts never pays it), `move(from_slot, to_slot)` (a row changing slot);
 - `propose(contexts, sampling) -> Proposal`: drafts for every row (the context ends with the anchor);
 - `observe(contexts, added) -> DraftTiming`: the tokens each row added this round (the contexts before the round);
 - `wait()` (let background drafting end), `close()`.
@@ -35,8 +35,8 @@ class Proposal:
     padding); logits `(rows, m, vocab)` processed (q = softmax), None when no row samples; looked_up / hits: per row,
     whether prepared branches were searched and whether one served it; exposed_seconds: host seconds `propose` took
     (the engine times the drafting its target waited for with its own clock, `streams_d3d.Clock`); caught_up_seconds:
-    seconds `propose` first took to bring rows far behind up to their anchors (`catch_up`, waited for on the device:
-    not a drafting pass's cost, which the verify policy learns without them); errors: rows
+    seconds `propose` first took to prefill rows that joined (`catch_up`, waited for on the device: not a drafting
+    pass's cost, which the verify policy learns without them); errors: rows
     whose own drafting step (their logits processors) failed, by row index (those rows end); second `(rows, m)` and
     num_second `(rows,)`: a second branch of drafts after the same anchor (a tree round, `policy_d3d.BOTH`; greedy
     rows only, so no q), None in other rounds."""
@@ -138,25 +138,35 @@ def block_pass_layout(contexts: list[list[int]], committed: list[int], block_siz
     return layout.build()
 
 
-def catch_up(drafter, cache: StaticKVCache, contexts: list[list[int]]) -> float:
-    """Before a block pass: rows whose drafter cache is more than `B` tokens behind their anchor (rows that joined:
-    a row's drafter context is prefilled on its first block round, so a row that never drafts never pays it; rows
-    whose rounds did not run the drafter, `policy_d3d`) are brought up to their anchors, the rows from the first such
-    row to the last in `prefill` (each from its committed length; a row between them that is not behind keeps its
-    cache), so that the block pass reads at most `B` uncached tokens a row (one shape with fixed shapes:
-    `shapes_d3d.block_causal_width`). Returns the seconds it took, its passes waited for on the device (0.0 when no
-    row was behind: nothing ran, nothing waited)."""
+def catch_up(drafter, cache: StaticKVCache, contexts: list[list[int]], fixed: bool) -> float:
+    """Before a block pass, rows are brought up to their anchors (`bring_up`): rows that joined (committed 0, more
+    than `B` tokens before their anchor: a row's drafter context is prefilled on its first block round, not when it
+    joins, so a request's first token waits for the target's prefill alone and a batch whose rounds never verify the
+    drafter's block never runs it), and with `fixed` shapes rows more than `B` behind after rounds without the drafter
+    (`policy_d3d`), so that the block pass keeps one shape (`shapes_d3d.block_causal_width`); elsewhere the block pass
+    reads a row's missed tokens in its causal part. Returns the seconds the joined rows' prefill took, waited for on
+    the device (0.0 when no row joined): a prefill's cost, not drafting's (a lag's catch-up is drafting's)."""
     block_size = drafter.config.block_size
+    joined = [cache.committed[slot] == 0 and len(context) - 1 > block_size for slot, context in enumerate(contexts)]
+    seconds = 0.0
+    if any(joined):
+        start = time.perf_counter()
+        bring_up(drafter, cache, contexts, joined)
+        synchronize(cache.device)  # once, on the first block round of rows that joined: a wait that times it
+        seconds = time.perf_counter() - start
     behind = [len(context) - 1 - cache.committed[slot] > block_size for slot, context in enumerate(contexts)]
-    if not any(behind):
-        return 0.0
-    start = time.perf_counter()
-    first, last = behind.index(True), len(behind) - 1 - behind[::-1].index(True)
+    if fixed and any(behind):
+        bring_up(drafter, cache, contexts, behind)
+    return seconds
+
+
+def bring_up(drafter, cache: StaticKVCache, contexts: list[list[int]], rows: list[bool]) -> None:
+    """The rows marked in `rows` up to their anchors: the slots from the first marked to the last in `prefill`, each
+    from its committed length (a row between them that is not marked keeps its cache)."""
+    first, last = rows.index(True), len(rows) - 1 - rows[::-1].index(True)
     span = range(first, last + 1)
-    prefill(drafter, cache, first, [contexts[slot][: -1 if behind[slot] else cache.committed[slot]] for slot in span],
+    prefill(drafter, cache, first, [contexts[slot][: -1 if rows[slot] else cache.committed[slot]] for slot in span],
             starts=[cache.committed[slot] for slot in span])
-    synchronize(cache.device)  # rare (joins, long stretches without drafting): a wait that times it
-    return time.perf_counter() - start
 
 
 def commit_before_anchors(cache: StaticKVCache, contexts: list[list[int]]) -> None:
@@ -215,7 +225,7 @@ class BlockSource:
     def propose(self, contexts: list[list[int]], sampling: list[RowSampling]) -> Proposal:
         """One block pass for every row: drafts `(rows, B - 1)`, of which the first `max_drafts` are proposed."""
         start, rows = time.perf_counter(), len(contexts)
-        caught_up = catch_up(self.drafter, self.cache, contexts)
+        caught_up = catch_up(self.drafter, self.cache, contexts, fixed_shapes(self.forward))
         layout = block_pass_layout(contexts, self.cache.committed[:rows], self.block_size, self.drafter.config.mask_token_id,
                               fixed_shapes(self.forward))
         raw = run_pass(self.drafter, self.cache, layout, self.block_size - 1, forward=self.forward)
@@ -249,5 +259,5 @@ class BlockSource:
         self.close()
 
 
-__all__ = ["BlockSource", "DraftTiming", "DrafterSource", "Proposal", "block_pass_layout", "catch_up", "check_device",
-           "check_max_drafts", "commit_before_anchors"]
+__all__ = ["BlockSource", "DraftTiming", "DrafterSource", "Proposal", "block_pass_layout", "bring_up", "catch_up",
+           "check_device", "check_max_drafts", "commit_before_anchors"]

@@ -187,7 +187,7 @@ class SuccessorSource(BlockSource):
             logits = torch.zeros(rows, width, self.drafter.config.vocab_size, device=drafts.device) if sampled else None
         else:  # a row served from its branches draws nothing here: its draws may not depend on its companions
             drafting = [s if index is None else RowSampling(s.logits_processor) for s, index in zip(sampling, found)]
-            caught_up = catch_up(self.drafter, self.cache, contexts)
+            caught_up = catch_up(self.drafter, self.cache, contexts, fixed_shapes(self.forward))
             layout = block_pass_layout(contexts, self.cache.committed[:rows], self.block_size,
                                   self.drafter.config.mask_token_id, fixed_shapes(self.forward))
             raw = run_pass(self.drafter, self.cache, layout, self.block_size - 1, forward=self.forward)
