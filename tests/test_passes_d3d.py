@@ -200,7 +200,8 @@ def test_a_new_cache_size_after_plain_steps_and_blocks_compiles_nothing():
     target, drafter = pair(3)
     try:
         counts = []
-        for lengths, seed in (([12], 0), ([14, 20], 1), ([DYNAMIC_LENGTH_BUCKET + 5], 2), ([13, DYNAMIC_LENGTH_BUCKET], 3)):
+        calls = (([12], 0), ([14, 20], 1), ([DYNAMIC_LENGTH_BUCKET + 5], 2), ([13, DYNAMIC_LENGTH_BUCKET], 3))
+        for lengths, seed in calls:
             ids, mask = prompts(lengths, seed)
             ids[:, -6:] = ids[:, -12:-6]  # a repeat, so that lookups find continuations
             settings = dict(max_new_tokens=12, do_sample=False)

@@ -575,8 +575,9 @@ def test_each_verify_width_is_one_kind_of_pass_and_no_other_width_is_priced():
     """The widths a plan verifies (`verify_width`) and the kinds of pass the policy prices are one rule: 1 column a
     narrow pass, `B` a wide one, `2B - 1` a tree; a pass of any other width is an engine bug, not a tree."""
     for block_size in (2, 4, 16):
-        assert [pass_kind(verify_width(choices, block_size), block_size)
-                for choices in ([NOTHING], [BLOCK, NOTHING], [LOOKUP], [BOTH, BLOCK])] == ["narrow", "wide", "wide", "tree"]
+        kinds = [pass_kind(verify_width(choices, block_size), block_size)
+                 for choices in ([NOTHING], [BLOCK, NOTHING], [LOOKUP], [BOTH, BLOCK])]
+        assert kinds == ["narrow", "wide", "wide", "tree"]
     with pytest.raises(RuntimeError, match="8 columns"):
         pass_kind(8, 16)
 
