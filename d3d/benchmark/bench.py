@@ -155,8 +155,9 @@ def ideal_bounds(run: MethodRun, passes: dict) -> tuple[float, float]:
 
 
 def round_split(run: MethodRun) -> dict:
-    """ms per round: the whole (wall clock / rounds), and for engine methods verify, exposed drafting and the rest
-    (host work, prefill, `generate`'s setup), which add up to the whole."""
+    """ms per round: the whole (wall clock / rounds), and for engine methods verify, exposed drafting (with the
+    drafter's prefill of a row, on its first block round) and the rest (host work, the target's prefill,
+    `generate`'s setup), which add up to the whole."""
     total = run.ms_per_round()
     if run.verify_seconds is None or total is None:
         return {"ms_per_round": total, "verify_ms_per_round": None, "exposed_draft_ms_per_round": None,

@@ -128,7 +128,8 @@ def markdown(results: dict) -> str:
           percent(row["hit_rate"])] for row in results["sweep"]])
     lines += [
         "", "Speedup: over the fastest target-alone baseline; vs generate: over plain `target.generate`. ms/round = "
-        "verify + exposed draft + overhead (host work, prefill, `generate` setup), from the engine's round record "
+        "verify + exposed draft (with the drafter's prefill of a row, on its first block round) + overhead (host work, "
+        "the target's prefill, `generate` setup), from the engine's round record "
         "(other methods: the total only, rounds counted by a streamer). Ideal sync: the tokens at t_T(1) each over "
         "the passes the rounds ran, a round that verified the drafter's block t_T(B) + t_D(B), a lookup t_T(B), "
         "both (a tree) t_T(2B-1) + t_D(B), nothing t_T(1) (the block every round: τ·t_T(1)/(t_T(B) + t_D(B))); "
