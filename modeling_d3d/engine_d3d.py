@@ -383,7 +383,7 @@ class SpeculativeEngine:
         verify_seconds = seconds(verify_start, verify_end)
         # exposed: the target's stream waited for the drafts before verifying, then for the worker
         exposed = (seconds(start, verify_start) if proposal is not None else 0.0) + drafting.exposed
-        if self.policy is not None:  # drafting's cost, without the drafter's prefill of rows far behind
+        if self.policy is not None:  # drafting's cost, without the drafter's prefill of rows that joined
             drafter_seconds = max(exposed - proposal.caught_up_seconds, 0.0) if proposal is not None else exposed
             self.policy.observe(keys, plan, [outcome.accepted_drafts for outcome in outcomes], verify_seconds,
                                 drafter_seconds, [outcome.branches for outcome in outcomes])

@@ -425,5 +425,4 @@ def untangled(plan: RoundPlan, proposal: Proposal, lookups: list[list[int]], blo
 
 __all__ = ["BLOCK", "BOTH", "DEFAULT_BLOCK_SIZE", "LOOKUP", "NOTHING", "RoundPlan", "RowHistory", "VerifyPolicy",
            "apply_plan", "check_policy_width", "make_chooser", "match_bucket", "pass_kind", "policy_for", "tree_width",
-           "untangled",
-           "verify_width"]
+           "untangled", "verify_width"]

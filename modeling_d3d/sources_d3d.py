@@ -154,9 +154,10 @@ def catch_up(drafter, cache: StaticKVCache, contexts: list[list[int]], fixed: bo
         bring_up(drafter, cache, contexts, joined)
         synchronize(cache.device)  # once, on the first block round of rows that joined: a wait that times it
         seconds = time.perf_counter() - start
-    behind = [len(context) - 1 - cache.committed[slot] > block_size for slot, context in enumerate(contexts)]
-    if fixed and any(behind):
-        bring_up(drafter, cache, contexts, behind)
+    if fixed:
+        behind = [len(context) - 1 - cache.committed[slot] > block_size for slot, context in enumerate(contexts)]
+        if any(behind):
+            bring_up(drafter, cache, contexts, behind)
     return seconds
 
 
@@ -224,18 +225,17 @@ class BlockSource:
 
     def propose(self, contexts: list[list[int]], sampling: list[RowSampling]) -> Proposal:
         """One block pass for every row: drafts `(rows, B - 1)`, of which the first `max_drafts` are proposed."""
-        start, rows = time.perf_counter(), len(contexts)
-        caught_up = catch_up(self.drafter, self.cache, contexts, fixed_shapes(self.forward))
+        start, rows, fixed = time.perf_counter(), len(contexts), fixed_shapes(self.forward)
+        caught_up = catch_up(self.drafter, self.cache, contexts, fixed)
         layout = block_pass_layout(contexts, self.cache.committed[:rows], self.block_size, self.drafter.config.mask_token_id,
-                              fixed_shapes(self.forward))
+                                   fixed)
         raw = run_pass(self.drafter, self.cache, layout, self.block_size - 1, forward=self.forward)
         commit_before_anchors(self.cache, contexts)
         errors: dict[int, BaseException] = {}
         drafts, logits = drafts_from_logits(raw, contexts, sampling, errors)
         return Proposal(drafts, torch.full((rows,), self.max_drafts, device=drafts.device),
                         logits if any(s.do_sample for s in sampling) else None, [False] * rows, [False] * rows,
-                        time.perf_counter() - start, errors=errors,
-                        caught_up_seconds=caught_up)
+                        time.perf_counter() - start, errors=errors, caught_up_seconds=caught_up)
 
     def observe(self, contexts: list[list[int]], added: list[list[int]]) -> DraftTiming:
         """Nothing to do: the cache holds each row's tokens before its old anchor, a prefix of its new context; no

@@ -187,9 +187,10 @@ class SuccessorSource(BlockSource):
             logits = torch.zeros(rows, width, self.drafter.config.vocab_size, device=drafts.device) if sampled else None
         else:  # a row served from its branches draws nothing here: its draws may not depend on its companions
             drafting = [s if index is None else RowSampling(s.logits_processor) for s, index in zip(sampling, found)]
-            caught_up = catch_up(self.drafter, self.cache, contexts, fixed_shapes(self.forward))
+            fixed = fixed_shapes(self.forward)
+            caught_up = catch_up(self.drafter, self.cache, contexts, fixed)
             layout = block_pass_layout(contexts, self.cache.committed[:rows], self.block_size,
-                                  self.drafter.config.mask_token_id, fixed_shapes(self.forward))
+                                       self.drafter.config.mask_token_id, fixed)
             raw = run_pass(self.drafter, self.cache, layout, self.block_size - 1, forward=self.forward)
             commit_before_anchors(self.cache, contexts)
             drafts, processed = drafts_from_logits(raw, contexts, drafting, errors)
