@@ -585,9 +585,9 @@ def test_each_verify_width_is_one_kind_of_pass_and_no_other_width_is_priced():
 def test_drafting_is_priced_without_the_drafters_prefill_of_rows_that_joined():
     """A row's first block round first prefills its drafter context (`sources_d3d.catch_up`); the policy learns the
     drafter's cost from that round without the prefill (its seconds, `Proposal.caught_up_seconds`, taken off what the
-    target waited for), neither skipping the round (a policy whose block rounds all follow joins or long stretches
-    of plain steps would never learn what drafting costs) nor counting the prefill as drafting (a drafter that pays
-    would look dear after every join)."""
+    target waited for), neither skipping the round (a policy whose block rounds all follow joins would never learn
+    what drafting costs) nor counting the prefill as drafting (a drafter that pays would look dear after every
+    join)."""
     target = tiny_target(13, vocab_size=VOCAB)
     drafter = D3DForBlockDiffusion.from_backbone(tiny_target(14, vocab_size=VOCAB), block_size=4).eval()
     policy = EveryChoice(4)  # row 0 verifies the drafter's block in round 1
