@@ -181,6 +181,8 @@ BAD_INPUTS = {  # name: (arguments with {root}, the command's one line contains)
                                       "argument --target: no such folder: no-such-model (and not a Hub id"),
     "serve --max-model-len 0": ("serve --target {root}/target --drafter {root}/target --max-model-len 0",
                                 "argument --max-model-len: must be an integer >= 1, got '0'"),
+    "quickstart --time-budget -5": ("quickstart --output {root}/qs --time-budget -5",
+                                    "argument --time-budget: must be a number >= 0, got '-5'"),
     "bench --max-new-tokens past the positions": (
         "bench --target {root}/target --drafter {root}/target --max-new-tokens 100000",
         "--max-new-tokens 100000 does not fit the target's 512 positions"),

@@ -16,7 +16,7 @@ import argparse
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -32,7 +32,8 @@ from d3d.trainer.pruning import drop_layer, prune
 from modeling_d3d import D3DForBlockDiffusion
 from modeling_d3d.generation_d3d import speculative_generate
 
-from .pipeline import QuickstartSizes, drafter_arguments
+from .pretrain import drafter_arguments
+from .sizes import QuickstartSizes
 
 
 @dataclass(frozen=True)
@@ -65,9 +66,7 @@ class VariantResult:
 
 def quickstart_sizes(quickstart: Path) -> QuickstartSizes:
     """The sizes the quickstart ran with (its `sizes.json`), the drafter's recipe among them."""
-    recorded = json.loads((quickstart / "sizes.json").read_text())
-    simple = {f.name for f in fields(QuickstartSizes)} - {"target", "assistant"}
-    return QuickstartSizes(**{name: value for name, value in recorded.items() if name in simple})
+    return QuickstartSizes.from_dict(json.loads((quickstart / "sizes.json").read_text()))
 
 
 def parse_variants(text: str) -> list[Variant]:

@@ -5,8 +5,13 @@ tokenizer -> target (trained from scratch) -> small AR assistant -> target-regen
 output folder.
 """
 
+import contextlib
+import functools
 import json
 import shutil
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -17,17 +22,22 @@ from transformers import AutoTokenizer, Qwen3ForCausalLM
 from d3d.benchmark.bench import benchmark
 from d3d.common import report
 from d3d.common.dtype import DtypeChoice, choose_dtype
+from d3d.common.prompts import encode_prompt
 from d3d.hub_upload.model_card import write_model_card
-from d3d.trainer.d3d_trainer import D3DTrainer, D3DTrainingArguments
-from d3d.trainer.data import generate_responses
+from d3d.trainer.d3d_trainer import D3DTrainer
+from d3d.trainer.data import DATASET, generate_responses
 from d3d.trainer.provenance import DrafterProvenance, record_pruning
 from d3d.trainer.pruning import prune
 from modeling_d3d import D3DForBlockDiffusion
 
 from d3d.common.corpus import function_prompts, humaneval_prompts, pydoc_prompts, quality_texts, training_texts
-from .pretrain import (bits_per_byte, causal_lm_config, chunked_dataset, perplexity, pretrain, pretraining_arguments,
-                       train_tokenizer)
+from .budget import fit, measure_unit_costs, projected_seconds
+from .pretrain import (bits_per_byte, causal_lm_config, chunked_dataset, drafter_arguments, perplexity, pretrain,
+                       pretraining_arguments, train_tokenizer)
 from .sizes import MICRO, ModelSize, QuickstartSizes
+
+
+PLAN_KEYS = ("scale", "time_budget_seconds", "unit_costs", "projected_seconds")  # what sizes.json says of the plan
 
 
 def _done(folder: Path) -> bool:
@@ -57,25 +67,51 @@ def _causal_lm(folder: Path, size: ModelSize, tokenizer, vocab_size: int, datase
     shutil.rmtree(folder / "checkpoints", ignore_errors=True)
 
 
-def drafter_arguments(output_dir: Path, sizes: QuickstartSizes, steps: int, choice: DtypeChoice) -> D3DTrainingArguments:
-    """The drafter's (and pruning recovery's) training arguments; bf16 autocast exactly when `choice` is bfloat16."""
-    return D3DTrainingArguments(
-        output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=sizes.drafter_batch_size,
-        learning_rate=sizes.drafter_learning_rate, lr_scheduler_type="cosine", warmup_steps=0.03, weight_decay=0.0,
-        max_grad_norm=1.0, num_anchors=sizes.num_anchors, logging_steps=max(steps // 10, 1), save_strategy="no",
-        report_to=[], seed=0, use_cpu=not torch.cuda.is_available(),
-        bf16=choice.bf16,
-    )
+def _recipe(output: Path, sizes: QuickstartSizes, budget_seconds: float | None, tokenizer, dataset: Callable[[], Dataset],
+            prompts: list[str], choice: DtypeChoice) -> tuple[QuickstartSizes, dict]:
+    """The sizes this run uses and its time plan: those `sizes.json` recorded (a rerun keeps its recipe), else
+    `sizes` fitted to `budget_seconds` from the unit costs measured on this machine with the responses' `prompts`
+    (`budget`; None: as given)."""
+    path = output / "sizes.json"
+    recorded = json.loads(path.read_text()) if path.exists() else {}
+    if "scale" in recorded:
+        print(f"recipe: kept from the first run into {output} ({recorded['scale']:.2f} of the default's counts)")
+        return QuickstartSizes.from_dict(recorded), {key: recorded[key] for key in (*PLAN_KEYS, "seconds") if key in recorded}
+    if budget_seconds is None:
+        return sizes, {"scale": 1.0}
+    encoded = [encode_prompt(tokenizer, prompt) for prompt in prompts[: sizes.response_batch_size]]
+    costs = measure_unit_costs(sizes, tokenizer, dataset(), encoded, choice)
+    full = sum(projected_seconds(sizes, costs).values())
+    fitted, factor = fit(sizes, costs, budget_seconds)
+    projected = projected_seconds(fitted, costs)
+    print(f"recipe: the default projects {full / 60:.0f} min on this machine (the target's training step "
+          f"{costs.target_step:.2f} s); " + ("within" if factor == 1.0 else
+          f"every step and prompt count scaled to {factor:.2f} of the default's to fit") +
+          f" the time budget of {budget_seconds / 60:.0f} min (projected {sum(projected.values()) / 60:.0f} min)")
+    return fitted, {"scale": factor, "time_budget_seconds": budget_seconds, "unit_costs": asdict(costs),
+                    "projected_seconds": {name: round(value, 1) for name, value in projected.items()}}
 
 
-def run_quickstart(output: Path, sizes: QuickstartSizes = QuickstartSizes(), dtype: str = "auto") -> dict:
+@contextmanager
+def _timed(seconds: dict[str, float], stage: str) -> Iterator[None]:
+    """Record the wall seconds of `stage` in `seconds`."""
+    start = time.monotonic()
+    yield
+    seconds[stage] = round(time.monotonic() - start, 1)
+
+
+def run_quickstart(output: Path, sizes: QuickstartSizes = QuickstartSizes(), dtype: str = "auto",
+                   budget_minutes: float | None = None) -> dict:
     """Run (or resume) every stage into `output` in the dtype `choose_dtype(dtype)` picks (printed, and recorded in
     `sizes.json`, `bench.json` and the drafter's provenance), the benchmark in float32 (eager and compiled), where
-    token identity with the target is exact; returns the benchmark results (also in `bench.json`)."""
+    token identity with the target is exact; returns the benchmark results (also in `bench.json`).
+
+    budget_minutes: the first run scales `sizes` down to fit (`budget.fit`), said in one line; `sizes.json` records
+    the sizes, the plan and each stage's seconds (in the run that did it), and a rerun keeps its recipe."""
+    start = time.monotonic()
     choice = choose_dtype(dtype)
     print(choice)
     output.mkdir(parents=True, exist_ok=True)
-    (output / "sizes.json").write_text(json.dumps({"dtype": choice.description, **asdict(sizes)}, indent=2))
     texts = training_texts(sizes.corpus_bytes)
 
     if (output / "tokenizer" / "tokenizer.json").exists():
@@ -83,17 +119,27 @@ def run_quickstart(output: Path, sizes: QuickstartSizes = QuickstartSizes(), dty
     else:
         tokenizer = train_tokenizer(texts, sizes.vocab_size)
         tokenizer.save_pretrained(output / "tokenizer")
+    dataset = functools.cache(lambda: chunked_dataset(tokenizer, texts, sizes.sequence_length).shuffle(seed=0))
+    budget_seconds = None if budget_minutes is None else budget_minutes * 60 - (time.monotonic() - start)
+    prompts = function_prompts(sizes.drafter_prompts)
+    sizes, plan = _recipe(output, sizes, budget_seconds, tokenizer, dataset, prompts, choice)
+    seconds: dict[str, float] = {**plan.pop("seconds", {}), "setup": round(time.monotonic() - start, 1)}
+
+    def record() -> None:
+        (output / "sizes.json").write_text(json.dumps({"dtype": choice.description, **asdict(sizes), **plan,
+                                                       "seconds": seconds}, indent=2))
+
+    record()
     models = {"target": sizes.target, "assistant": sizes.assistant}
-    if not all(_done(output / name) for name in models):
-        dataset = chunked_dataset(tokenizer, texts, sizes.sequence_length).shuffle(seed=0)
-        for name, size in models.items():
-            if not _done(output / name):
-                _causal_lm(output / name, size, tokenizer, sizes.vocab_size, dataset, choice)
+    for name, size in models.items():
+        if not _done(output / name):
+            with _timed(seconds, name):
+                _causal_lm(output / name, size, tokenizer, sizes.vocab_size, dataset(), choice)
     target, assistant = (Qwen3ForCausalLM.from_pretrained(output / name, dtype=choice.dtype).eval() for name in models)
 
-    prompts = function_prompts(sizes.drafter_prompts)
-    data = generate_responses(target, tokenizer, prompts, output / "data", batch_size=sizes.response_batch_size,
-                              max_new_tokens=sizes.response_tokens)
+    with _timed(seconds, "responses") if not (output / "data" / DATASET).is_dir() else contextlib.nullcontext():
+        data = generate_responses(target, tokenizer, prompts[: sizes.drafter_prompts], output / "data",
+                                  batch_size=sizes.response_batch_size, max_new_tokens=sizes.response_tokens)
     dev = 2 * sizes.dev_prompts
     train_data, dev_prompts = data.select(range(len(data) - dev)), [torch.tensor([p]) for p in data[len(data) - dev :]["prompt"]]
 
@@ -103,7 +149,9 @@ def run_quickstart(output: Path, sizes: QuickstartSizes = QuickstartSizes(), dty
     else:  # from the AR assistant, float32 weights, trained under bf16 autocast when the choice is bfloat16
         drafter = D3DForBlockDiffusion.from_backbone(str(output / "assistant"), block_size=sizes.block_size,
                                                      tokenizer=tokenizer, dtype=torch.float32)
-        D3DTrainer(drafter, drafter_arguments(trained, sizes, sizes.drafter_steps, choice), train_dataset=train_data).train()
+        with _timed(seconds, "drafter"):
+            D3DTrainer(drafter, drafter_arguments(trained, sizes, sizes.drafter_steps, choice),
+                       train_dataset=train_data).train()
         drafter.save_pretrained(trained)
         DrafterProvenance(
             target=str((output / "target").resolve()), base_model=str((output / "assistant").resolve()),
@@ -119,9 +167,10 @@ def run_quickstart(output: Path, sizes: QuickstartSizes = QuickstartSizes(), dty
     if not _done(final):
         pruning = output / "pruning"
         depth = drafter.config.num_hidden_layers
-        prune(drafter, target, train_data, dev_prompts[: sizes.dev_prompts], dev_prompts[sizes.dev_prompts :], pruning,
-              drafter_arguments(pruning, sizes, sizes.recovery_steps, choice), min_layers=max(depth - sizes.prune_stages, 1),
-              min_tau_fraction=0.0, max_new_tokens=sizes.response_tokens)
+        with _timed(seconds, "pruning"):
+            prune(drafter, target, train_data, dev_prompts[: sizes.dev_prompts], dev_prompts[sizes.dev_prompts :],
+                  pruning, drafter_arguments(pruning, sizes, sizes.recovery_steps, choice),
+                  min_layers=max(depth - sizes.prune_stages, 1), min_tau_fraction=0.0, max_new_tokens=sizes.response_tokens)
         shutil.copytree(pruning / "drafter", final)
         tokenizer.save_pretrained(final)
         record_pruning(trained, final)
@@ -138,11 +187,15 @@ def run_quickstart(output: Path, sizes: QuickstartSizes = QuickstartSizes(), dty
             "humaneval": [torch.tensor([tokenizer(p)["input_ids"]]) for p in humaneval_prompts()[: sizes.bench_prompts]],
             "pydoc": [torch.tensor([tokenizer(p)["input_ids"]]) for p in pydoc_prompts()[: sizes.bench_pydoc_prompts]],
         }
-        results = {"dtype": f"training {choice.description}; benchmark float32 (exact token identity)",
-                   **benchmark(target, drafter, prompt_sets, sizes.bench_new_tokens, assistant, compile="both")}
+        with _timed(seconds, "benchmark"):
+            results = {"dtype": f"training {choice.description}; benchmark float32 (exact token identity)",
+                       **benchmark(target, drafter, prompt_sets, sizes.bench_new_tokens, assistant, compile="both")}
         report.write(results, output)
     write_model_card(final, repo=str(final), bench=results)
+    record()
+    print("stages (s): " + ", ".join(f"{stage} {value:.0f}" for stage, value in seconds.items())
+          + f"; this run {time.monotonic() - start:.0f}")
     return results
 
 
-__all__ = ["MICRO", "ModelSize", "QuickstartSizes", "benchmark_done", "drafter_arguments", "run_quickstart"]
+__all__ = ["MICRO", "ModelSize", "PLAN_KEYS", "QuickstartSizes", "benchmark_done", "run_quickstart"]

@@ -1,4 +1,5 @@
-"""Training the embedded default's tokenizer and causal LMs from scratch (the target and the AR assistant)."""
+"""Training the embedded default's tokenizer and causal LMs from scratch (the target and the AR assistant), and the
+training arguments of every quickstart stage."""
 
 import math
 from pathlib import Path
@@ -7,6 +8,11 @@ import torch
 from datasets import Dataset
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM, Trainer, TrainingArguments
+
+from d3d.common.dtype import DtypeChoice
+from d3d.trainer.d3d_trainer import D3DTrainingArguments
+
+from .sizes import QuickstartSizes
 
 END_OF_TEXT = "<|endoftext|>"
 
@@ -53,7 +59,7 @@ def chunked_dataset(tokenizer, texts: list[str], length: int) -> Dataset:
     return Dataset.from_dict({"input_ids": rows})
 
 
-def _with_labels(rows: list[dict]) -> dict[str, torch.Tensor]:
+def with_labels(rows: list[dict]) -> dict[str, torch.Tensor]:
     input_ids = torch.tensor([row["input_ids"] for row in rows])
     return {"input_ids": input_ids, "labels": input_ids.clone()}
 
@@ -80,11 +86,22 @@ def pretraining_arguments(output_dir: Path, steps: int, batch_size: int, learnin
     )
 
 
+def drafter_arguments(output_dir: Path, sizes: QuickstartSizes, steps: int, choice: DtypeChoice) -> D3DTrainingArguments:
+    """The drafter's (and pruning recovery's) training arguments; bf16 autocast exactly when `choice` is bfloat16."""
+    return D3DTrainingArguments(
+        output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=sizes.drafter_batch_size,
+        learning_rate=sizes.drafter_learning_rate, lr_scheduler_type="cosine", warmup_steps=0.03, weight_decay=0.0,
+        max_grad_norm=1.0, num_anchors=sizes.num_anchors, logging_steps=max(steps // 10, 1), save_strategy="no",
+        report_to=[], seed=0, use_cpu=not torch.cuda.is_available(),
+        bf16=choice.bf16,
+    )
+
+
 def pretrain(config: Qwen3Config, dataset: Dataset, args: TrainingArguments) -> Qwen3ForCausalLM:
     """Train a Qwen3 causal LM from scratch with `transformers.Trainer` under `args` (`pretraining_arguments`)."""
     torch.manual_seed(args.seed)
     model = Qwen3ForCausalLM(config)
-    trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=_with_labels)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=with_labels)
     trainer.train()
     trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)  # no autocast forward after training
     return model.eval()
@@ -95,7 +112,7 @@ def perplexity(model, dataset: Dataset, batch_size: int = 8) -> float:
     """exp(mean next-token loss) over `dataset` rows."""
     losses = []
     for start in range(0, len(dataset), batch_size):
-        batch = _with_labels(dataset.select(range(start, min(start + batch_size, len(dataset)))).to_list())
+        batch = with_labels(dataset.select(range(start, min(start + batch_size, len(dataset)))).to_list())
         losses.append(model(**{k: v.to(model.device) for k, v in batch.items()}).loss.item())
     return float(torch.tensor(losses).mean().exp())
 
@@ -115,5 +132,5 @@ def bits_per_byte(model, tokenizer, texts: list[str], window: int = 256) -> floa
     return nats / math.log(2) / size
 
 
-__all__ = ["END_OF_TEXT", "bits_per_byte", "causal_lm_config", "chunked_dataset", "perplexity", "pretrain",
-           "pretraining_arguments", "train_tokenizer"]
+__all__ = ["END_OF_TEXT", "bits_per_byte", "causal_lm_config", "chunked_dataset", "drafter_arguments", "perplexity",
+           "pretrain", "pretraining_arguments", "train_tokenizer", "with_labels"]

@@ -1,6 +1,6 @@
 """Every size of the embedded default (`QuickstartSizes`) and the tests' micro ones (`MICRO`)."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
@@ -41,6 +41,14 @@ class QuickstartSizes:
     bench_prompts: int = 16
     bench_pydoc_prompts: int = 10
     bench_new_tokens: int = 128
+
+    @classmethod
+    def from_dict(cls, recorded: dict) -> "QuickstartSizes":
+        """The sizes a `sizes.json` records (its other keys, such as the dtype and the time plan, ignored)."""
+        known = {f.name for f in fields(cls)}
+        values = {name: value for name, value in recorded.items() if name in known}
+        models = {name: ModelSize(**values[name]) for name in ("target", "assistant") if name in values}
+        return cls(**{**values, **models})
 
 
 MICRO = QuickstartSizes(
