@@ -3,8 +3,11 @@
 import json
 from dataclasses import asdict, fields, replace
 
+import pytest
+
 from d3d.quickstart.budget import MIN_BENCH_PROMPTS, MIN_STEPS, UnitCosts, fit, projected_seconds, scaled
 from d3d.quickstart.pipeline import MICRO, run_quickstart
+from d3d.quickstart.recipe import Recipe, recorded_recipe
 from d3d.quickstart.sizes import QuickstartSizes
 
 # Seconds per unit on the slowest CPU measured so far (a Zen 1 EPYC, AVX2 only, float32; docs/results.md): a target
@@ -65,7 +68,7 @@ def test_a_budgeted_first_run_scales_its_recipe_and_a_rerun_keeps_it(tmp_path, c
     sizes = replace(MICRO, bench_prompts=2 * MIN_BENCH_PROMPTS, target=replace(MICRO.target, steps=2 * MIN_STEPS))
     results = run_quickstart(tmp_path, sizes, budget_minutes=1e-4)  # no recipe fits: every count at its floor
     recorded = json.loads((tmp_path / "sizes.json").read_text())
-    assert recorded["scale"] == 0.01 and "scaled to 0.01" in capsys.readouterr().out
+    assert recorded["scale"] == 0.01 and "every step and prompt count scaled to 0.01" in capsys.readouterr().out
     assert recorded["bench_prompts"] == MIN_BENCH_PROMPTS and recorded["target"]["steps"] == MIN_STEPS
     assert results["prompt_sets"]["humaneval"]["prompts"] == MIN_BENCH_PROMPTS  # the benchmark ran the scaled recipe
     assert set(recorded["projected_seconds"]) == {"target", "assistant", "responses", "drafter", "pruning", "benchmark"}
@@ -77,3 +80,18 @@ def test_a_budgeted_first_run_scales_its_recipe_and_a_rerun_keeps_it(tmp_path, c
     again = json.loads((tmp_path / "sizes.json").read_text())
     assert {key: again[key] for key in asdict(sizes)} == {key: recorded[key] for key in asdict(sizes)}
     assert again["seconds"]["target"] == recorded["seconds"]["target"]
+
+
+def test_a_folder_keeps_the_recipe_it_records_and_refuses_other_sizes(tmp_path):
+    assert recorded_recipe(tmp_path, MICRO) is None
+    Recipe(scaled(MICRO, 0.5), {"scale": 0.5}, {"target": 3.0}).write(tmp_path, "float32")
+    kept = recorded_recipe(tmp_path, MICRO)
+    assert kept.sizes == scaled(MICRO, 0.5) and kept.plan == {"scale": 0.5} and kept.seconds == {"target": 3.0}
+    with pytest.raises(ValueError, match="holds a quickstart of other sizes"):
+        recorded_recipe(tmp_path, QuickstartSizes())  # the default recipe into a --micro folder
+    # A folder from before the time plan: its sizes as they are, at scale 1.
+    (tmp_path / "sizes.json").write_text(json.dumps({"dtype": "float32", **asdict(MICRO)}))
+    assert recorded_recipe(tmp_path, MICRO) == Recipe(MICRO)
+    (tmp_path / "sizes.json").write_text('{"dtype": "float32", "vocab')  # torn: one clear line, nothing guessed
+    with pytest.raises(ValueError, match="is not a quickstart recipe"):
+        recorded_recipe(tmp_path, MICRO)

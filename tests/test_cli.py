@@ -1,7 +1,9 @@
+import json
 import os
 import shutil
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -9,6 +11,7 @@ import pytest
 from conftest import demo_table, tiny_target, word_tokenizer
 from d3d.cli.demo import RANDOM_NOTE, SPEEDUP_NOTE
 from d3d.cli.main import main
+from d3d.quickstart.sizes import MICRO
 
 ROOT = Path(__file__).parents[1]
 
@@ -134,6 +137,8 @@ def broken(tmp_path_factory) -> dict[str, Path]:
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     (root / "corrupt" / "config.json").write_text('{"model_type": "qwen3", "vocab_size": ')
     (root / "prompts.txt").write_text("w1 w2\nw3 w4\n")
+    (root / "micro").mkdir()
+    (root / "micro" / "sizes.json").write_text(json.dumps({"dtype": "float32", **asdict(MICRO), "scale": 1.0}))
     return root
 
 
@@ -183,6 +188,10 @@ BAD_INPUTS = {  # name: (arguments with {root}, the command's one line contains)
                                 "argument --max-model-len: must be an integer >= 1, got '0'"),
     "quickstart --time-budget -5": ("quickstart --output {root}/qs --time-budget -5",
                                     "argument --time-budget: must be a number >= 0, got '-5'"),
+    "quickstart into a folder of other sizes": ("quickstart --output {root}/micro",
+                                                "{root}/micro holds a quickstart of other sizes"),
+    "quickstart --time-budget inf": ("quickstart --output {root}/qs --time-budget inf",
+                                     "argument --time-budget: must be a number >= 0, got 'inf'"),
     "bench --max-new-tokens past the positions": (
         "bench --target {root}/target --drafter {root}/target --max-new-tokens 100000",
         "--max-new-tokens 100000 does not fit the target's 512 positions"),

@@ -2,6 +2,7 @@
 
 import json
 import os
+from dataclasses import asdict
 import math
 import re
 from pathlib import Path
@@ -51,6 +52,13 @@ def test_the_chosen_dtype_is_recorded_in_the_artifacts(output):
     assert json.loads((output / "bench.json").read_text())["dtype"] == f"training {chosen}; benchmark float32 (exact token identity)"
     assert json.loads((output / "drafter" / "d3d_training.json").read_text())["dtype"] == chosen
     assert f"- training dtype: {chosen}" in (output / "drafter" / "README.md").read_text()
+
+
+def test_a_run_without_a_budget_keeps_the_sizes_as_given_and_records_each_stages_seconds(output):
+    recorded = json.loads((output / "sizes.json").read_text())
+    assert {key: recorded[key] for key in asdict(MICRO)} == asdict(MICRO) and recorded["scale"] == 1.0
+    assert "unit_costs" not in recorded  # nothing was timed for a plan
+    assert {"setup", "target", "assistant", "responses", "drafter", "pruning", "benchmark"} <= set(recorded["seconds"])
 
 
 def test_every_benchmarked_method_was_lossless(output):

@@ -2,6 +2,7 @@
 functions): a bad value is one line, `d3d COMMAND: error: argument --NAME: WHAT`, and exit 2."""
 
 import argparse
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -58,12 +59,13 @@ def non_negative_int(text: str) -> int:
 
 
 def _number(text: str, accepted: Callable[[float], bool], what: str) -> float:
-    """`text` as a float if `accepted` holds for it (never for NaN); else `ArgumentTypeError` saying `what` it must be."""
+    """`text` as a float if it is finite and `accepted` holds for it; else `ArgumentTypeError` saying `what` it must
+    be."""
     try:
         value = float(text)
     except ValueError:
         value = float("nan")
-    if not accepted(value):
+    if not math.isfinite(value) or not accepted(value):
         raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
     return value
 

@@ -77,6 +77,9 @@ def _timed_training(trainer_type: type[Trainer], model, args: TrainingArguments,
     trainer = trainer_type(model=model, args=args, train_dataset=dataset, callbacks=[timer], **kwargs)
     trainer.remove_callback(PrinterCallback)
     trainer.train()
+    if len(timer.seconds) <= PROBE_WARMUP:
+        raise ValueError(f"{len(dataset)} training rows make no timed step of {args.per_device_train_batch_size}: "
+                         "the corpus is too small for these sizes")
     return statistics.median(timer.seconds[PROBE_WARMUP:])
 
 
@@ -99,7 +102,7 @@ def _decoding_seconds(model, prompts: list[list[int]], pad_token_id: int) -> tup
         start = time.perf_counter()
         model.generate(input_ids, max_new_tokens=new_tokens, **kwargs)
         seconds.append(time.perf_counter() - start)
-    return seconds[1], (seconds[2] - seconds[1]) / PROBE_TOKENS
+    return seconds[1], max(seconds[2] - seconds[1], 0.0) / PROBE_TOKENS
 
 
 def measure_unit_costs(sizes: QuickstartSizes, tokenizer, dataset: Dataset, prompts: list[list[int]],

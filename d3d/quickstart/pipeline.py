@@ -10,8 +10,7 @@ import functools
 import json
 import shutil
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -32,12 +31,10 @@ from modeling_d3d import D3DForBlockDiffusion
 
 from d3d.common.corpus import function_prompts, humaneval_prompts, pydoc_prompts, quality_texts, training_texts
 from .budget import fit, measure_unit_costs, projected_seconds
+from .recipe import Recipe, recorded_recipe
 from .pretrain import (bits_per_byte, causal_lm_config, chunked_dataset, drafter_arguments, perplexity, pretrain,
                        pretraining_arguments, train_tokenizer)
 from .sizes import MICRO, ModelSize, QuickstartSizes
-
-
-PLAN_KEYS = ("scale", "time_budget_seconds", "unit_costs", "projected_seconds")  # what sizes.json says of the plan
 
 
 def _done(folder: Path) -> bool:
@@ -67,37 +64,23 @@ def _causal_lm(folder: Path, size: ModelSize, tokenizer, vocab_size: int, datase
     shutil.rmtree(folder / "checkpoints", ignore_errors=True)
 
 
-def _recipe(output: Path, sizes: QuickstartSizes, budget_seconds: float | None, tokenizer, dataset: Callable[[], Dataset],
-            prompts: list[str], choice: DtypeChoice) -> tuple[QuickstartSizes, dict]:
-    """The sizes this run uses and its time plan: those `sizes.json` recorded (a rerun keeps its recipe), else
-    `sizes` fitted to `budget_seconds` from the unit costs measured on this machine with the responses' `prompts`
-    (`budget`; None: as given)."""
-    path = output / "sizes.json"
-    recorded = json.loads(path.read_text()) if path.exists() else {}
-    if "scale" in recorded:
-        print(f"recipe: kept from the first run into {output} ({recorded['scale']:.2f} of the default's counts)")
-        return QuickstartSizes.from_dict(recorded), {key: recorded[key] for key in (*PLAN_KEYS, "seconds") if key in recorded}
-    if budget_seconds is None:
-        return sizes, {"scale": 1.0}
-    encoded = [encode_prompt(tokenizer, prompt) for prompt in prompts[: sizes.response_batch_size]]
-    costs = measure_unit_costs(sizes, tokenizer, dataset(), encoded, choice)
-    full = sum(projected_seconds(sizes, costs).values())
-    fitted, factor = fit(sizes, costs, budget_seconds)
+def _first_recipe(sizes: QuickstartSizes, budget_minutes: float | None, deadline: float, tokenizer,
+                  dataset: Callable[[], Dataset], choice: DtypeChoice) -> Recipe:
+    """A first run's recipe: `sizes`, fitted (`budget.fit`) to the time left before `deadline` (`time.monotonic()`)
+    after timing the stages' units on this machine, where `budget_minutes` is given; said in one line."""
+    if budget_minutes is None:
+        return Recipe(sizes)
+    prompts = [encode_prompt(tokenizer, prompt) for prompt in function_prompts(sizes.response_batch_size)]
+    costs = measure_unit_costs(sizes, tokenizer, dataset(), prompts, choice)
+    fitted, factor = fit(sizes, costs, deadline - time.monotonic())
     projected = projected_seconds(fitted, costs)
-    print(f"recipe: the default projects {full / 60:.0f} min on this machine (the target's training step "
-          f"{costs.target_step:.2f} s); " + ("within" if factor == 1.0 else
-          f"every step and prompt count scaled to {factor:.2f} of the default's to fit") +
-          f" the time budget of {budget_seconds / 60:.0f} min (projected {sum(projected.values()) / 60:.0f} min)")
-    return fitted, {"scale": factor, "time_budget_seconds": budget_seconds, "unit_costs": asdict(costs),
-                    "projected_seconds": {name: round(value, 1) for name, value in projected.items()}}
-
-
-@contextmanager
-def _timed(seconds: dict[str, float], stage: str) -> Iterator[None]:
-    """Record the wall seconds of `stage` in `seconds`."""
-    start = time.monotonic()
-    yield
-    seconds[stage] = round(time.monotonic() - start, 1)
+    minutes = {name: sum(projected_seconds(s, costs).values()) / 60 for name, s in (("default", sizes), ("fitted", fitted))}
+    outcome = ("within it" if factor == 1.0 else
+               f"every step and prompt count scaled to {factor:.2f} of the default's (projected {minutes['fitted']:.0f} min)")
+    print(f"recipe: the default projects {minutes['default']:.0f} min on this machine (the target's training step "
+          f"{costs.target_step:.2f} s) against the time budget of {budget_minutes:g} min: {outcome}")
+    return Recipe(fitted, {"scale": factor, "time_budget_seconds": budget_minutes * 60, "unit_costs": asdict(costs),
+                           "projected_seconds": {name: round(value, 1) for name, value in projected.items()}})
 
 
 def run_quickstart(output: Path, sizes: QuickstartSizes = QuickstartSizes(), dtype: str = "auto",
@@ -106,39 +89,41 @@ def run_quickstart(output: Path, sizes: QuickstartSizes = QuickstartSizes(), dty
     `sizes.json`, `bench.json` and the drafter's provenance), the benchmark in float32 (eager and compiled), where
     token identity with the target is exact; returns the benchmark results (also in `bench.json`).
 
-    budget_minutes: the first run scales `sizes` down to fit (`budget.fit`), said in one line; `sizes.json` records
-    the sizes, the plan and each stage's seconds (in the run that did it), and a rerun keeps its recipe."""
+    budget_minutes: a first run scales `sizes` down to end within it (`budget.fit`), said in one line; `sizes.json`
+    records the sizes, the plan and each stage's seconds, and a rerun keeps its recipe (`recipe.recorded_recipe`;
+    `ValueError` where the folder holds a run of other sizes)."""
     start = time.monotonic()
     choice = choose_dtype(dtype)
     print(choice)
     output.mkdir(parents=True, exist_ok=True)
-    texts = training_texts(sizes.corpus_bytes)
-
+    kept = recorded_recipe(output, sizes)
+    texts = training_texts(sizes.corpus_bytes)  # the corpus, vocabulary and sequence length are never scaled
     if (output / "tokenizer" / "tokenizer.json").exists():
         tokenizer = AutoTokenizer.from_pretrained(output / "tokenizer")
     else:
         tokenizer = train_tokenizer(texts, sizes.vocab_size)
         tokenizer.save_pretrained(output / "tokenizer")
-    dataset = functools.cache(lambda: chunked_dataset(tokenizer, texts, sizes.sequence_length).shuffle(seed=0))
-    budget_seconds = None if budget_minutes is None else budget_minutes * 60 - (time.monotonic() - start)
-    prompts = function_prompts(sizes.drafter_prompts)
-    sizes, plan = _recipe(output, sizes, budget_seconds, tokenizer, dataset, prompts, choice)
-    seconds: dict[str, float] = {**plan.pop("seconds", {}), "setup": round(time.monotonic() - start, 1)}
+    dataset = functools.cache(lambda length=sizes.sequence_length: chunked_dataset(tokenizer, texts, length).shuffle(seed=0))
+    if kept is not None:
+        print(f"recipe: kept from the first run into {output} ({kept.plan['scale']:.2f} of the given sizes' counts)")
+    recipe = kept or _first_recipe(sizes, budget_minutes, start + 60 * (budget_minutes or 0), tokenizer, dataset, choice)
+    sizes = recipe.sizes
+    recipe.seconds["setup"] = round(time.monotonic() - start, 1)
+    recipe.write(output, choice.description)
 
-    def record() -> None:
-        (output / "sizes.json").write_text(json.dumps({"dtype": choice.description, **asdict(sizes), **plan,
-                                                       "seconds": seconds}, indent=2))
+    def stage(name: str):
+        return recipe.stage(name, output, choice.description)
 
-    record()
     models = {"target": sizes.target, "assistant": sizes.assistant}
     for name, size in models.items():
         if not _done(output / name):
-            with _timed(seconds, name):
+            with stage(name):
                 _causal_lm(output / name, size, tokenizer, sizes.vocab_size, dataset(), choice)
     target, assistant = (Qwen3ForCausalLM.from_pretrained(output / name, dtype=choice.dtype).eval() for name in models)
 
-    with _timed(seconds, "responses") if not (output / "data" / DATASET).is_dir() else contextlib.nullcontext():
-        data = generate_responses(target, tokenizer, prompts[: sizes.drafter_prompts], output / "data",
+    responded = (output / "data" / DATASET).is_dir()
+    with contextlib.nullcontext() if responded else stage("responses"):
+        data = generate_responses(target, tokenizer, function_prompts(sizes.drafter_prompts), output / "data",
                                   batch_size=sizes.response_batch_size, max_new_tokens=sizes.response_tokens)
     dev = 2 * sizes.dev_prompts
     train_data, dev_prompts = data.select(range(len(data) - dev)), [torch.tensor([p]) for p in data[len(data) - dev :]["prompt"]]
@@ -149,7 +134,7 @@ def run_quickstart(output: Path, sizes: QuickstartSizes = QuickstartSizes(), dty
     else:  # from the AR assistant, float32 weights, trained under bf16 autocast when the choice is bfloat16
         drafter = D3DForBlockDiffusion.from_backbone(str(output / "assistant"), block_size=sizes.block_size,
                                                      tokenizer=tokenizer, dtype=torch.float32)
-        with _timed(seconds, "drafter"):
+        with stage("drafter"):
             D3DTrainer(drafter, drafter_arguments(trained, sizes, sizes.drafter_steps, choice),
                        train_dataset=train_data).train()
         drafter.save_pretrained(trained)
@@ -167,7 +152,7 @@ def run_quickstart(output: Path, sizes: QuickstartSizes = QuickstartSizes(), dty
     if not _done(final):
         pruning = output / "pruning"
         depth = drafter.config.num_hidden_layers
-        with _timed(seconds, "pruning"):
+        with stage("pruning"):
             prune(drafter, target, train_data, dev_prompts[: sizes.dev_prompts], dev_prompts[sizes.dev_prompts :],
                   pruning, drafter_arguments(pruning, sizes, sizes.recovery_steps, choice),
                   min_layers=max(depth - sizes.prune_stages, 1), min_tau_fraction=0.0, max_new_tokens=sizes.response_tokens)
@@ -187,15 +172,14 @@ def run_quickstart(output: Path, sizes: QuickstartSizes = QuickstartSizes(), dty
             "humaneval": [torch.tensor([tokenizer(p)["input_ids"]]) for p in humaneval_prompts()[: sizes.bench_prompts]],
             "pydoc": [torch.tensor([tokenizer(p)["input_ids"]]) for p in pydoc_prompts()[: sizes.bench_pydoc_prompts]],
         }
-        with _timed(seconds, "benchmark"):
+        with stage("benchmark"):
             results = {"dtype": f"training {choice.description}; benchmark float32 (exact token identity)",
                        **benchmark(target, drafter, prompt_sets, sizes.bench_new_tokens, assistant, compile="both")}
         report.write(results, output)
     write_model_card(final, repo=str(final), bench=results)
-    record()
-    print("stages (s): " + ", ".join(f"{stage} {value:.0f}" for stage, value in seconds.items())
+    print("stages (s): " + ", ".join(f"{name} {value:.0f}" for name, value in recipe.seconds.items())
           + f"; this run {time.monotonic() - start:.0f}")
     return results
 
 
-__all__ = ["MICRO", "ModelSize", "PLAN_KEYS", "QuickstartSizes", "benchmark_done", "run_quickstart"]
+__all__ = ["MICRO", "ModelSize", "QuickstartSizes", "benchmark_done", "run_quickstart"]
