@@ -158,6 +158,16 @@ def test_a_second_run_reuses_finished_stages(output):
         os.utime(weights, ns=(stamps["drafter/model.safetensors"],) * 2)
 
 
+def test_a_budget_that_fits_trains_the_same_models_to_the_bit(output, tmp_path, capsys):
+    """The first run's probes (random models trained and decoded for timing) leave no trace in what it trains."""
+    run_quickstart(tmp_path, MICRO, budget_minutes=10_000)
+    assert "within it" in capsys.readouterr().out
+    assert json.loads((tmp_path / "sizes.json").read_text())["unit_costs"]  # the probes ran
+    for name in ("target", "assistant", "drafter-trained"):
+        weights = f"{name}/model.safetensors"
+        assert (tmp_path / weights).read_bytes() == (output / weights).read_bytes(), name
+
+
 def test_evaluation_prompts_stay_out_of_training():
     assert len(humaneval_prompts()) == 164
     _, held_out = split_topics()
