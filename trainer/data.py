@@ -17,7 +17,7 @@ import torch
 from datasets import Dataset, load_from_disk
 from tqdm.auto import tqdm
 
-from d3d.common.prompts import encode_prompt
+from d3d.common.prompts import encode_prompt, left_pad
 
 RECORDS = "responses.jsonl"
 DATASET = "dataset"
@@ -118,15 +118,13 @@ def generate_responses(
     device = next(target.parameters()).device
 
     def complete(indices: list[int], batch: list[list[int]]) -> list[list[int]]:
-        width = max(len(ids) for ids in batch)
-        input_ids = torch.tensor([[pad_token_id] * (width - len(ids)) + ids for ids in batch], device=device)
-        attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch], device=device)
+        input_ids, attention_mask = left_pad(batch, pad_token_id)
         torch.manual_seed(seed + indices[0])
         generated = target.generate(
-            input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), max_new_tokens=max_new_tokens,
             do_sample=do_sample, pad_token_id=pad_token_id, **generate_kwargs,
         )
-        return generated[:, width:].tolist()
+        return generated[:, input_ids.shape[1]:].tolist()
 
     return write_responses(tokenizer, target.generation_config.eos_token_id, prompts, output_dir, settings,
                            batch_size, complete)

@@ -22,17 +22,8 @@ from modeling_d3d.generation_d3d import pad_outputs
 from modeling_d3d.serving_d3d import D3DBatchServer
 
 from d3d.common.measure import timed
+from d3d.common.prompts import left_pad
 from d3d.common.report import percent, pyplot, save_figure, table, write_report
-
-
-def left_pad(prompts: list[torch.Tensor], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(1, L_i)` prompts -> left-padded ids and attention mask `(n, max L_i)`."""
-    width = max(prompt.shape[1] for prompt in prompts)
-    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - prompt.shape[1] :], mask[row, width - prompt.shape[1] :] = prompt[0], 1
-    return ids, mask
 
 
 def new_tokens(sequences: torch.Tensor, prompt_width: int, eos_token_ids: set[int]) -> list[list[int]]:
@@ -113,7 +104,8 @@ def concurrency_benchmark(
     }
     rows = []
     for level in tqdm(levels, desc="concurrency levels"):
-        groups = [left_pad(prompts[start : start + level], pad) for start in range(0, len(prompts), level)]
+        groups = [left_pad([prompt[0].tolist() for prompt in prompts[start : start + level]], pad)
+                  for start in range(0, len(prompts), level)]
         with D3DBatchServer(target, drafter, max_batch_size=level, max_length=longest) as server:
             methods["server"] = lambda ids, mask: served(server, ids, mask, pad, max_new_tokens, records["server"])
             seconds, outputs, totals = measure_level(methods, groups, records, eos_ids, target.device)
@@ -185,5 +177,5 @@ def write(results: dict, output_dir: Path) -> str:
     return write_report(results, output_dir, "concurrency", markdown, plot)
 
 
-__all__ = ["COUNTERS", "concurrency_benchmark", "fresh", "left_pad", "markdown", "measure_level", "new_tokens", "plot",
+__all__ = ["COUNTERS", "concurrency_benchmark", "fresh", "markdown", "measure_level", "new_tokens", "plot",
            "served", "write"]

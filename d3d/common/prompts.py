@@ -1,4 +1,6 @@
-"""How a prompt becomes token ids, the same way for data generation, benchmarks and demos."""
+"""How a prompt becomes token ids, and prompts a batch, the same way for data generation, benchmarks and demos."""
+
+import torch
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:
@@ -10,4 +12,12 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=True)["input_ids"]
 
 
-__all__ = ["encode_prompt"]
+def left_pad(rows: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id rows -> left-padded ids and attention mask `(n, longest)`, the batch `generate` takes."""
+    width = max(len(row) for row in rows)
+    ids = torch.tensor([[pad_token_id] * (width - len(row)) + row for row in rows])
+    mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows])
+    return ids, mask
+
+
+__all__ = ["encode_prompt", "left_pad"]

@@ -20,6 +20,7 @@ from datasets import Dataset
 from transformers import PrinterCallback, Qwen3ForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 from d3d.common.dtype import DtypeChoice
+from d3d.common.prompts import left_pad
 from d3d.trainer.d3d_trainer import D3DTrainer
 from modeling_d3d import D3DForBlockDiffusion
 
@@ -89,19 +90,16 @@ def _timed_training(trainer_type: type[Trainer], model, args: TrainingArguments,
     return statistics.median(timer.seconds[PROBE_WARMUP:])
 
 
-def _causal_lm(sizes: QuickstartSizes, size: ModelSize, tokenizer) -> Qwen3ForCausalLM:
+def _random_causal_lm(sizes: QuickstartSizes, size: ModelSize, tokenizer) -> Qwen3ForCausalLM:
     torch.manual_seed(0)
-    return Qwen3ForCausalLM(causal_lm_config(tokenizer, sizes.vocab_size, size.hidden, size.layers, size.heads,
-                                             size.kv_heads, size.mlp))
+    return Qwen3ForCausalLM(causal_lm_config(tokenizer, sizes.vocab_size, size))
 
 
 @torch.no_grad()
 def _decoding_seconds(model, prompts: list[list[int]], pad_token_id: int) -> tuple[float, float]:
     """(seconds of the prefill and first token, seconds per later token) of `model`'s greedy decoding of `prompts`
     (left-padded rows, as the stages decode them), each after an untimed call."""
-    width = max(len(ids) for ids in prompts)
-    input_ids = torch.tensor([[pad_token_id] * (width - len(ids)) + ids for ids in prompts])
-    attention_mask = (torch.arange(width) >= torch.tensor([[width - len(ids)] for ids in prompts])).long()
+    input_ids, attention_mask = left_pad(prompts, pad_token_id)
     kwargs = {"attention_mask": attention_mask, "do_sample": False, "pad_token_id": pad_token_id, "eos_token_id": None}
     seconds = []
     for new_tokens in (1, 1, 1 + PROBE_TOKENS):
@@ -120,10 +118,10 @@ def measure_unit_costs(sizes: QuickstartSizes, tokenizer, dataset: Dataset, prom
         def pretraining_step(size: ModelSize) -> float:
             rows = dataset.select(range(min(len(dataset), (PROBE_WARMUP + PROBE_STEPS) * size.batch_size)))
             args = pretraining_arguments(Path(scratch), PROBE_STEPS, size.batch_size, size.learning_rate, choice.bf16)
-            return _timed_training(Trainer, _causal_lm(sizes, size, tokenizer), args, rows, data_collator=with_labels)
+            return _timed_training(Trainer, _random_causal_lm(sizes, size, tokenizer), args, rows, data_collator=with_labels)
 
         target_step, assistant_step = pretraining_step(sizes.target), pretraining_step(sizes.assistant)
-        drafter = D3DForBlockDiffusion.from_backbone(_causal_lm(sizes, sizes.assistant, tokenizer),
+        drafter = D3DForBlockDiffusion.from_backbone(_random_causal_lm(sizes, sizes.assistant, tokenizer),
                                                      block_size=sizes.block_size, tokenizer=tokenizer)
         rows = (PROBE_WARMUP + PROBE_STEPS) * sizes.drafter_batch_size
         texts = dataset.select(range(min(len(dataset), rows)))["input_ids"]
@@ -131,7 +129,7 @@ def measure_unit_costs(sizes: QuickstartSizes, tokenizer, dataset: Dataset, prom
                                        "completion": [texts[i % len(texts)][: sizes.response_tokens] for i in range(rows)]})
         args = drafter_arguments(Path(scratch), sizes, PROBE_STEPS, choice)
         drafter_step = _timed_training(D3DTrainer, drafter, args, responses)
-    target = _causal_lm(sizes, sizes.target, tokenizer).eval()
+    target = _random_causal_lm(sizes, sizes.target, tokenizer).eval()
     batch = _decoding_seconds(target.to(choice.dtype), prompts[: sizes.response_batch_size], tokenizer.pad_token_id)
     _, row_token = _decoding_seconds(target.float(), prompts[:1], tokenizer.pad_token_id)
     return UnitCosts(target_step, assistant_step, drafter_step, *batch, row_token)

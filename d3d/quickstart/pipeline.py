@@ -52,7 +52,7 @@ def benchmark_done(output: Path, drafter: Path) -> bool:
 def _causal_lm(folder: Path, size: ModelSize, tokenizer, vocab_size: int, dataset: Dataset, choice: DtypeChoice) -> None:
     """Train a causal LM from scratch on `dataset` (its first rows held out for perplexity) and save it, with its
     held-out perplexity and its bits per byte on `quality_texts` in `perplexity.json`."""
-    config = causal_lm_config(tokenizer, vocab_size, size.hidden, size.layers, size.heads, size.kv_heads, size.mlp)
+    config = causal_lm_config(tokenizer, vocab_size, size)
     held_out = dataset.select(range(min(64, len(dataset) // 10)))
     args = pretraining_arguments(folder, size.steps, size.batch_size, size.learning_rate, choice.bf16)
     model = pretrain(config, dataset.select(range(len(held_out), len(dataset))), args)
@@ -64,15 +64,16 @@ def _causal_lm(folder: Path, size: ModelSize, tokenizer, vocab_size: int, datase
     shutil.rmtree(folder / "checkpoints", ignore_errors=True)
 
 
-def _first_recipe(sizes: QuickstartSizes, budget_minutes: float | None, deadline: float, tokenizer,
-                  dataset: Callable[[], Dataset], choice: DtypeChoice) -> Recipe:
-    """A first run's recipe: `sizes`, fitted (`budget.fit`) to the time left before `deadline` (`time.monotonic()`)
-    after timing the stages' units on this machine, where `budget_minutes` is given; said in one line."""
+def _first_recipe(sizes: QuickstartSizes, budget_minutes: float | None, start: float, tokenizer,
+                  dataset: Callable[[], Dataset], prompts: list[str], choice: DtypeChoice) -> Recipe:
+    """A first run's recipe: `sizes`, where `budget_minutes` is given fitted (`budget.fit`) to what is left of them
+    since `start` (`time.monotonic()`) after timing the stages' units on this machine (the responses' `prompts`
+    among them); said in one line."""
     if budget_minutes is None:
         return Recipe(sizes)
-    prompts = [encode_prompt(tokenizer, prompt) for prompt in function_prompts(sizes.response_batch_size)]
-    costs = measure_unit_costs(sizes, tokenizer, dataset(), prompts, choice)
-    fitted, factor = fit(sizes, costs, deadline - time.monotonic())
+    encoded = [encode_prompt(tokenizer, prompt) for prompt in prompts[: sizes.response_batch_size]]
+    costs = measure_unit_costs(sizes, tokenizer, dataset(), encoded, choice)
+    fitted, factor = fit(sizes, costs, start + 60 * budget_minutes - time.monotonic())
     projected = projected_seconds(fitted, costs)
     minutes = {name: sum(projected_seconds(s, costs).values()) / 60 for name, s in (("default", sizes), ("fitted", fitted))}
     outcome = ("within it" if factor == 1.0 else
@@ -104,9 +105,10 @@ def run_quickstart(output: Path, sizes: QuickstartSizes = QuickstartSizes(), dty
         tokenizer = train_tokenizer(texts, sizes.vocab_size)
         tokenizer.save_pretrained(output / "tokenizer")
     dataset = functools.cache(lambda length=sizes.sequence_length: chunked_dataset(tokenizer, texts, length).shuffle(seed=0))
+    prompts = function_prompts(sizes.drafter_prompts)  # a scaled recipe's responses are their first ones
     if kept is not None:
         print(f"recipe: kept from the first run into {output} ({kept.plan['scale']:.2f} of the given sizes' counts)")
-    recipe = kept or _first_recipe(sizes, budget_minutes, start + 60 * (budget_minutes or 0), tokenizer, dataset, choice)
+    recipe = kept or _first_recipe(sizes, budget_minutes, start, tokenizer, dataset, prompts, choice)
     sizes = recipe.sizes
     recipe.seconds["setup"] = round(time.monotonic() - start, 1)
     recipe.write(output, choice.description)
@@ -123,7 +125,7 @@ def run_quickstart(output: Path, sizes: QuickstartSizes = QuickstartSizes(), dty
 
     responded = (output / "data" / DATASET).is_dir()
     with contextlib.nullcontext() if responded else stage("responses"):
-        data = generate_responses(target, tokenizer, function_prompts(sizes.drafter_prompts), output / "data",
+        data = generate_responses(target, tokenizer, prompts[: sizes.drafter_prompts], output / "data",
                                   batch_size=sizes.response_batch_size, max_new_tokens=sizes.response_tokens)
     dev = 2 * sizes.dev_prompts
     train_data, dev_prompts = data.select(range(len(data) - dev)), [torch.tensor([p]) for p in data[len(data) - dev :]["prompt"]]

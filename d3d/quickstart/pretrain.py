@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM,
 from d3d.common.dtype import DtypeChoice
 from d3d.trainer.d3d_trainer import D3DTrainingArguments
 
-from .sizes import QuickstartSizes
+from .sizes import ModelSize, QuickstartSizes
 
 END_OF_TEXT = "<|endoftext|>"
 
@@ -32,15 +32,15 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=END_OF_TEXT, pad_token=END_OF_TEXT)
 
 
-def causal_lm_config(tokenizer, vocab_size: int, hidden: int, layers: int, heads: int, kv_heads: int, mlp: int) -> Qwen3Config:
+def causal_lm_config(tokenizer, vocab_size: int, size: ModelSize) -> Qwen3Config:
     return Qwen3Config(
         vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=mlp,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=hidden // heads,
+        hidden_size=size.hidden,
+        intermediate_size=size.mlp,
+        num_hidden_layers=size.layers,
+        num_attention_heads=size.heads,
+        num_key_value_heads=size.kv_heads,
+        head_dim=size.hidden // size.heads,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id,
