@@ -177,7 +177,8 @@ def test_evaluation_prompts_stay_out_of_training():
     assert not training_prompts & set(humaneval_prompts())
 
 
-def test_the_pruning_curve_starts_from_the_targets_first_layers_and_prunes_to_one_layer(output, tmp_path):
+def test_the_pruning_curve_starts_from_the_targets_first_layers_and_prunes_to_one_layer(output, tmp_path,
+                                                                                       two_torch_threads):
     from d3d.quickstart.ablations import main as ablations, target_prefix_drafter
     target = Qwen3ForCausalLM.from_pretrained(output / "target")
     drafter = target_prefix_drafter(output, 1, MICRO.block_size, AutoTokenizer.from_pretrained(output / "tokenizer"))
@@ -188,6 +189,7 @@ def test_the_pruning_curve_starts_from_the_targets_first_layers_and_prunes_to_on
     curve = tmp_path / "curve"
     ablations(["--quickstart", str(output), "--output", str(curve), "--steps", "2", "--held-out", "4",
                "--pruning-curve", str(target.config.num_hidden_layers), "--dtype", "float32"])
+    assert torch.get_num_threads() == 2  # the command's one thread is its own: the tests after it keep theirs
     stages = json.loads((curve / "pruning" / "pruning.json").read_text())["stages"]
     assert [stage["depth"] for stage in stages] == list(range(target.config.num_hidden_layers, 0, -1))
     assert all(math.isfinite(stage["tau"]) and math.isfinite(stage["speedup"]) for stage in stages)

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from datasets import Dataset
 from transformers import AutoTokenizer, Qwen3ForCausalLM
 
 from d3d.common.dtype import DtypeChoice, add_argument, choose_dtype
@@ -211,7 +212,17 @@ def main(argv: list[str] | None = None) -> None:
     least = 2 if args.pruning_curve is not None else 1  # the curve splits them: layer choice, then tau and speedup
     if not least <= args.held_out < len(data):
         parser.error(f"--held-out {args.held_out}: between {least} and {len(data) - 1} of the data's {len(data)} prompts")
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models time steadiest on one thread; restored for a caller in the same process
+    try:
+        run(parser, args, quickstart, output, sizes, variants, seeds, data)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace, quickstart: Path, output: Path,
+        sizes: QuickstartSizes, variants: list[Variant], seeds: list[int], data: Dataset) -> None:
+    """Train and measure the variants (or the pruning curve) that `main` parsed; writes to `output`."""
     keep_freed_memory_on_cpu()
     choice = choose_dtype(args.dtype)
     print(choice)
