@@ -6,9 +6,11 @@ A round's cost is shared by its rows: one target pass, 1 column wide when no row
 verify one proposal each, `2B - 1` wide (`tree_width`) when any row verifies both, plus one drafter pass when any
 row verifies the drafter's block. `VerifyPolicy.plan` picks, before the round, the kind of round with the most
 expected tokens per second (`RoundPlan`): expected tokens from each row's acceptance so far (accepted drafts per
-round, for the drafter's blocks and for lookups, smoothed, each blended with the same pooled over rows: for lookups
-pooled per match length, `match_bucket`, which predicts what a lookup keeps; for both, the better of the two plus
-what trees kept beyond the branch expected to keep more, pooled over rows), seconds from the rounds this engine has
+round, for the drafter's blocks and for lookups, smoothed, each blended with the same pooled over rows: for blocks
+pooled per row age, `age_bucket` (the first rounds of an answer are a regime of their own: a drafter may keep little
+there and much later, or the reverse); for lookups pooled per match length, `match_bucket`, which predicts what a
+lookup keeps; for both, the better of the two plus what trees kept beyond the branch expected to keep more, pooled
+over rows), seconds from the rounds this engine has
 run (smoothed, per batch size; a cost not measured yet, or only by its first pass (a warm-up), is taken as the
 cheapest it can be, so the round that measures it is tried). A row that has not verified the drafter's block for
 `probe_every` rounds verifies it again (its acceptance may have changed), and likewise a lookup it found, so an
@@ -51,13 +53,14 @@ class RoundPlan:
 
 @dataclass
 class RowHistory:
-    """One row's smoothed accepted drafts per round when it verified the drafter's block and a lookup, and the rounds
-    since it last verified each."""
+    """One row's smoothed accepted drafts per round when it verified the drafter's block and a lookup, the rounds
+    since it last verified each, and the rounds it has taken part in (its age, `age_bucket`)."""
 
     block: float
     lookup: float
     since_block: int = 0
     since_lookup: int = 0
+    rounds: int = 0
 
 
 @dataclass
@@ -69,9 +72,10 @@ class VerifyPolicy:
     costs: seconds per kind of pass (`"narrow"`, `"wide"`, `"tree"`, `"drafter"`) to use instead of measured ones (then
     decisions do not depend on timing: reproducible rounds); pooling: the weight of the drafter's pooled acceptance
     (`priors`: the mean over every row and round, its start counted as one round, moving by at least
-    `pool_smoothing` a round once many were seen) in a row's expected drafts from its block, the rest its own
-    average (a row's few latest rounds say little: a hard stretch of text does not make a good drafter worth
-    skipping; `priors[BOTH]`: the drafts a tree kept beyond the branch expected to keep more, pooled the same way),
+    `pool_smoothing` a round once many were seen; `block_priors[age_bucket(rounds)]` at the row's age) in a row's
+    expected drafts from its block, the rest its own average (a row's few latest rounds say little: a hard stretch of
+    text does not make a good drafter worth skipping; `priors[BOTH]`: the drafts a tree kept beyond the branch
+    expected to keep more, pooled the same way),
     and of the lookup's pooled acceptance at the lookup's match length (`lookup_priors[match_bucket(match)]`) in its
     expected drafts from a lookup. What
     it learns (costs; `priors`, where new rows start) carries over from call to call when it is kept (`policy_for`)."""
@@ -87,6 +91,7 @@ class VerifyPolicy:
     history: dict = field(default_factory=dict)
     priors: dict[str, float] = field(default_factory=dict)
     pooled_rounds: dict = field(default_factory=dict)
+    block_priors: dict[int, float] = field(default_factory=dict)
     lookup_priors: dict[int, float] = field(default_factory=dict)
     interval: int = 0
     lookup_interval: int = 0
@@ -133,15 +138,21 @@ class VerifyPolicy:
         return self.pass_counts.get((kind, rows), 0) > WARM_UP_PASSES
 
     def row(self, key) -> RowHistory:
-        """`key`'s history; a new row starts from the priors (at first optimistic: half a block accepted)."""
+        """`key`'s history; a new row starts from the priors of a row's first round (at first optimistic: half a
+        block accepted)."""
         if key not in self.history:
-            self.history[key] = RowHistory(block=self.priors[BLOCK], lookup=self.priors[LOOKUP])
+            self.history[key] = RowHistory(block=self.block_prior(0), lookup=self.priors[LOOKUP])
         return self.history[key]
 
     def expected_block(self, history: RowHistory) -> float:
         """The drafts a row with `history` is expected to keep from the drafter's block: its own average and the
-        pooled one, weighted by `pooling`."""
-        return (1 - self.pooling) * history.block + self.pooling * self.priors[BLOCK]
+        pooled one at its age, weighted by `pooling`."""
+        return (1 - self.pooling) * history.block + self.pooling * self.block_prior(age_bucket(history.rounds))
+
+    def block_prior(self, bucket: int) -> float:
+        """The pooled drafts kept by blocks of rows whose age is in `bucket` (`age_bucket`); a bucket not seen yet
+        starts at the pool over every block."""
+        return self.block_priors.get(bucket, self.priors[BLOCK])
 
     def expected_lookup(self, history: RowHistory, found: list[int], match: int | None) -> float:
         """The drafts a row with `history` is expected to keep from the lookup continuation `found` (0 when none)
@@ -224,8 +235,9 @@ class VerifyPolicy:
                 self._pool(BOTH, max(both) - (both[0] if alone == BLOCK else both[1]))
                 for kind, kept in zip((BLOCK, LOOKUP), both):
                     setattr(history, kind, getattr(history, kind) + rate * (kept - getattr(history, kind)))
-                    self._pool(kind, kept, match)
+                    self._pool(kind, kept, match, history.rounds)
                 history.since_block = history.since_lookup = 0
+                history.rounds += 1
                 continue
             if choice == BLOCK and history.since_block >= self.interval:  # a probe: back off while they keep nothing
                 self.interval = self._backoff(self.interval, accepted)
@@ -235,12 +247,18 @@ class VerifyPolicy:
             history.since_lookup = 0 if choice == LOOKUP else history.since_lookup + 1
             if choice in (BLOCK, LOOKUP):
                 setattr(history, choice, getattr(history, choice) + rate * (accepted - getattr(history, choice)))
-                self._pool(choice, accepted, match)
+                self._pool(choice, accepted, match, history.rounds)
+            history.rounds += 1
 
-    def _pool(self, kind: str, observed: float, match: int | None = None) -> None:
-        """Move the pooled `priors[kind]`, and for a lookup whose `match` is known the pool of its bucket
-        (`lookup_priors`, starting from `priors[LOOKUP]`), towards `observed`: each the mean over every round it
-        pools so far, its start counted as one, moving at least by `pool_smoothing`."""
+    def _pool(self, kind: str, observed: float, match: int | None = None, age: int = 0) -> None:
+        """Move the pooled `priors[kind]`, for a block the pool of its row's `age` bucket (`block_priors`, starting
+        from `priors[BLOCK]`), and for a lookup whose `match` is known the pool of its bucket (`lookup_priors`,
+        starting from `priors[LOOKUP]`), towards `observed`: each the mean over every round it pools so far, its start
+        counted as one, moving at least by `pool_smoothing`."""
+        if kind == BLOCK:
+            bucket = age_bucket(age)
+            self.block_priors[bucket] = self.block_prior(bucket)
+            self._average(self.block_priors, bucket, (BLOCK, bucket), observed)
         if kind == LOOKUP and match is not None:
             bucket = match_bucket(match)
             self.lookup_priors[bucket] = self.lookup_prior(bucket)
@@ -277,6 +295,12 @@ class VerifyPolicy:
         elif old is not None:
             seconds = min(seconds, old)
         self.measured[(kind, rows)] = seconds
+
+
+def age_bucket(rounds: int) -> int:
+    """The bucket of a row's age (the rounds it took part in before this one) whose block acceptance the policy
+    pools: round 0, 1, 2-3, 4-7, 8-15 and 16 on are buckets 0 to 5."""
+    return min(rounds.bit_length(), 5)
 
 
 def match_bucket(match: int) -> int:
@@ -424,5 +448,5 @@ def untangled(plan: RoundPlan, proposal: Proposal, lookups: list[list[int]], blo
 
 
 __all__ = ["BLOCK", "BOTH", "DEFAULT_BLOCK_SIZE", "LOOKUP", "NOTHING", "RoundPlan", "RowHistory", "VerifyPolicy",
-           "apply_plan", "check_policy_width", "make_chooser", "match_bucket", "pass_kind", "policy_for", "tree_width",
+           "age_bucket", "apply_plan", "check_policy_width", "make_chooser", "match_bucket", "pass_kind", "policy_for", "tree_width",
            "untangled", "verify_width"]

@@ -17,8 +17,8 @@ from modeling_d3d import (BlockSource, D3DBatchServer, D3DForBlockDiffusion, Rou
 from modeling_d3d.generation_d3d import speculative_generate
 from modeling_d3d.lookup_d3d import CANDIDATES, MAX_MATCH, LookupSource, NgramIndex
 from modeling_d3d.sources_d3d import Proposal
-from modeling_d3d.policy_d3d import (BLOCK, BOTH, LOOKUP, NOTHING, RoundPlan, VerifyPolicy, make_chooser, match_bucket,
-                                     pass_kind, untangled, verify_width)
+from modeling_d3d.policy_d3d import (BLOCK, BOTH, LOOKUP, NOTHING, RoundPlan, VerifyPolicy, age_bucket, make_chooser,
+                                     match_bucket, pass_kind, untangled, verify_width)
 from policies import EveryChoice
 
 REPEATING = [1, 5, 2, 7, 3, 1, 5, 2, 7, 3, 1, 5]  # its suffix [1, 5] occurred before: lookups find [2, 7, 3, ...]
@@ -304,6 +304,23 @@ def test_a_row_in_a_hard_stretch_keeps_a_good_drafter_while_its_pooled_rate_says
         for _ in range(10):  # this row's hard stretch
             policy.observe([99], RoundPlan([BLOCK], True, 16), [0], 1.2, 0.5)
         assert plan_of_keys(policy, [99]) == [expected], pooling
+
+
+def test_a_rows_first_rounds_are_priced_by_what_blocks_kept_at_the_start_of_earlier_rows():
+    """Where the drafter keeps nothing in the first rounds of an answer and much later (the pydoc prompts: the target
+    copies its prompt once it has begun), a new row skips the block at first and verifies it once it is as old as
+    the rows whose blocks paid: blocks are pooled per row age (`age_bucket`). One pool over every round would verify
+    the block from a row's first round."""
+    policy = VerifyPolicy(16, costs={"narrow": 1.0, "wide": 1.2, "drafter": 0.5})
+    for key in range(20):
+        for age in range(20):
+            policy.observe([key], RoundPlan([BLOCK], True, 16), [0 if age < 4 else 6], 1.2, 0.5)
+        policy.forget(key)
+    assert plan_of_keys(policy, [100]) == [NOTHING]
+    for _ in range(8):  # a row that skipped the block so far, now as old as the rows whose blocks kept 6 drafts
+        policy.observe([100], policy.round_of([NOTHING]), [0], 1.0, 0.0)
+    assert plan_of_keys(policy, [100]) == [BLOCK]
+    assert [age_bucket(rounds) for rounds in (0, 1, 2, 3, 4, 7, 8, 15, 16, 1000)] == [0, 1, 2, 2, 3, 3, 4, 4, 5, 5]
 
 
 def test_a_row_that_skipped_its_lookups_verifies_one_again_less_often_while_probes_keep_nothing():
