@@ -34,6 +34,7 @@ from .sources_d3d import Proposal
 NOTHING, BLOCK, LOOKUP, BOTH = "nothing", "block", "lookup", "both"
 OUTLIER = 2.0  # a measured pass above this many times its estimate is counted as this many (see `_measure`)
 WARM_UP_PASSES = 1  # the first passes of a kind at a batch size, whose one-time costs are not its cost (`_measure`)
+AGE_POOL_ROWS = 4  # a young age bucket's pooled block estimate follows about this many latest rows (`age_smoothing`)
 
 
 @dataclass
@@ -252,23 +253,35 @@ class VerifyPolicy:
 
     def _pool(self, kind: str, observed: float, match: int | None = None, age: int = 0) -> None:
         """Move the pooled `priors[kind]`, for a block the pool of its row's `age` bucket (`block_priors`, starting
-        from `priors[BLOCK]`), and for a lookup whose `match` is known the pool of its bucket (`lookup_priors`,
+        from `priors[BLOCK]`, moving at least by `age_smoothing`), and for a lookup whose `match` is known the pool of its bucket (`lookup_priors`,
         starting from `priors[LOOKUP]`), towards `observed`: each the mean over every round it pools so far, its start
         counted as one, moving at least by `pool_smoothing`."""
         if kind == BLOCK:
             bucket = age_bucket(age)
             self.block_priors[bucket] = self.block_prior(bucket)
-            self._average(self.block_priors, bucket, (BLOCK, bucket), observed)
+            self._average(self.block_priors, bucket, (BLOCK, bucket), observed, self.age_smoothing(bucket))
         if kind == LOOKUP and match is not None:
             bucket = match_bucket(match)
             self.lookup_priors[bucket] = self.lookup_prior(bucket)
             self._average(self.lookup_priors, bucket, (LOOKUP, bucket), observed)
         self._average(self.priors, kind, kind, observed)
 
-    def _average(self, pool: dict, key, counter, observed: float) -> None:
-        """`pool[key]` moved towards `observed` as `_pool` says; `pooled_rounds[counter]` counts its rounds."""
+    def age_smoothing(self, bucket: int) -> float:
+        """The least step of the pooled block estimate of age `bucket`: a row spends 1, 1, 2, 4 and 8 rounds in
+        buckets 0 to 4, so a step of `pool_smoothing` would follow the first rounds of many dozen rows (a process
+        that turns from one kind of prompt to another would price a new row's first rounds by the old kind for
+        that long); `1 / (AGE_POOL_ROWS x those rounds)` follows the latest few rows. At least `pool_smoothing`,
+        which the open-ended bucket 5 keeps."""
+        if bucket >= 5:
+            return self.pool_smoothing
+        return max(self.pool_smoothing, 1 / (AGE_POOL_ROWS * (1 << max(bucket - 1, 0))))
+
+    def _average(self, pool: dict, key, counter, observed: float, least: float | None = None) -> None:
+        """`pool[key]` moved towards `observed` as `_pool` says (by at least `least`, default `pool_smoothing`);
+        `pooled_rounds[counter]` counts its rounds."""
         seen = self.pooled_rounds[counter] = self.pooled_rounds.get(counter, 0) + 1
-        pool[key] += max(self.pool_smoothing, 1 / (seen + 1)) * (observed - pool[key])
+        least = self.pool_smoothing if least is None else least
+        pool[key] += max(least, 1 / (seen + 1)) * (observed - pool[key])
 
     def _backoff(self, interval: int, accepted: int) -> int:
         """The rounds before the next probe of a kind after a probe that kept `accepted` drafts: back to

@@ -323,6 +323,18 @@ def test_a_rows_first_rounds_are_priced_by_what_blocks_kept_at_the_start_of_earl
     assert [age_bucket(rounds) for rounds in (0, 1, 2, 3, 4, 7, 8, 15, 16, 1000)] == [0, 1, 2, 2, 3, 3, 4, 4, 5, 5]
 
 
+def test_a_process_turning_to_another_kind_of_prompt_learns_its_first_rounds_within_a_few_rows():
+    """After 100 rows whose blocks kept 6 drafts in their first round, 10 rows whose first blocks kept nothing (d3d
+    bench turning from HumanEval to pydoc; a server whose traffic changes): the next row skips the block at first.
+    Moving by `pool_smoothing` (0.03) a round, the pool of first rounds would still be near 5 drafts."""
+    policy = VerifyPolicy(16, costs={"narrow": 1.0, "wide": 1.2, "drafter": 0.5})
+    for key, kept in enumerate([6] * 100 + [0] * 10):
+        policy.observe([key], RoundPlan([BLOCK], True, 16), [kept], 1.2, 0.5)
+        policy.forget(key)
+    assert plan_of_keys(policy, [1000]) == [NOTHING]
+    assert [policy.age_smoothing(bucket) for bucket in range(6)] == [0.25, 0.25, 0.125, 0.0625, 0.03125, 0.03]
+
+
 def test_a_row_that_skipped_its_lookups_verifies_one_again_less_often_while_probes_keep_nothing():
     policy = VerifyPolicy(16, probe_every=4, costs={"narrow": 1.0, "wide": 2.0, "drafter": 1.0}, pooling=0.0)
     policy.row(0).lookup = 0.0  # its lookups kept nothing so far (its own average only): not worth a wide pass
