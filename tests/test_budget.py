@@ -1,11 +1,14 @@
 """The quickstart fitted to a time budget: the projection, the scaled recipe, and a budgeted run end to end."""
 
 import json
+import time
 from dataclasses import asdict, fields, replace
 
 import pytest
 
-from d3d.quickstart.budget import MIN_BENCH_PROMPTS, MIN_STEPS, UnitCosts, fit, projected_seconds, scaled
+from conftest import tiny_target
+from d3d.quickstart.budget import (MIN_BENCH_PROMPTS, MIN_STEPS, UnitCosts, _decoding_seconds, fit, projected_seconds,
+                                   scaled)
 from d3d.quickstart.pipeline import MICRO, run_quickstart
 from d3d.quickstart.recipe import Recipe, recorded_recipe
 from d3d.quickstart.sizes import QuickstartSizes
@@ -95,3 +98,20 @@ def test_a_folder_keeps_the_recipe_it_records_and_refuses_other_sizes(tmp_path):
     (tmp_path / "sizes.json").write_text('{"dtype": "float32", "vocab')  # torn: one clear line, nothing guessed
     with pytest.raises(ValueError, match="is not a quickstart recipe"):
         recorded_recipe(tmp_path, MICRO)
+
+
+def test_a_pause_in_the_decoding_probe_does_not_make_later_tokens_free():
+    """A process paused in every timed one-token call (a busy machine: CI beside a quickstart) made the 17-token call
+    look no longer, and later tokens cost 0 s: every projection of decoding stages was then 0."""
+    target = tiny_target(3).eval()
+    calls = []
+
+    def generate(*args, max_new_tokens, **kwargs):
+        calls.append(max_new_tokens)
+        if max_new_tokens == 1 and len(calls) > 1:  # the timed one-token calls, not the untimed first
+            time.sleep(0.05)
+        return type(target).generate(target, *args, max_new_tokens=max_new_tokens, **kwargs)
+
+    target.generate = generate
+    first, later = _decoding_seconds(target, [[1, 2, 3], [4, 5]], pad_token_id=0)
+    assert first >= 0.05 and later > 0
