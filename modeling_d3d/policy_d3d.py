@@ -35,6 +35,7 @@ NOTHING, BLOCK, LOOKUP, BOTH = "nothing", "block", "lookup", "both"
 OUTLIER = 2.0  # a measured pass above this many times its estimate is counted as this many (see `_measure`)
 WARM_UP_PASSES = 1  # the first passes of a kind at a batch size, whose one-time costs are not its cost (`_measure`)
 AGE_POOL_ROWS = 4  # a young age bucket's pooled block estimate follows about this many latest rows (`age_smoothing`)
+OLDEST_AGE = 5  # the open-ended age bucket: rows of 2 ** (OLDEST_AGE - 1) rounds and more (`age_bucket`)
 
 
 @dataclass
@@ -238,7 +239,6 @@ class VerifyPolicy:
                     setattr(history, kind, getattr(history, kind) + rate * (kept - getattr(history, kind)))
                     self._pool(kind, kept, match, history.rounds)
                 history.since_block = history.since_lookup = 0
-                history.rounds += 1
                 continue
             if choice == BLOCK and history.since_block >= self.interval:  # a probe: back off while they keep nothing
                 self.interval = self._backoff(self.interval, accepted)
@@ -249,13 +249,14 @@ class VerifyPolicy:
             if choice in (BLOCK, LOOKUP):
                 setattr(history, choice, getattr(history, choice) + rate * (accepted - getattr(history, choice)))
                 self._pool(choice, accepted, match, history.rounds)
-            history.rounds += 1
+        for key in keys:  # every row is a round older
+            self.history[key].rounds += 1
 
     def _pool(self, kind: str, observed: float, match: int | None = None, age: int = 0) -> None:
         """Move the pooled `priors[kind]`, for a block the pool of its row's `age` bucket (`block_priors`, starting
-        from `priors[BLOCK]`, moving at least by `age_smoothing`), and for a lookup whose `match` is known the pool of its bucket (`lookup_priors`,
+        from `priors[BLOCK]`), and for a lookup whose `match` is known the pool of its bucket (`lookup_priors`,
         starting from `priors[LOOKUP]`), towards `observed`: each the mean over every round it pools so far, its start
-        counted as one, moving at least by `pool_smoothing`."""
+        counted as one, moving at least by `pool_smoothing` (an age bucket's pool by `age_smoothing`)."""
         if kind == BLOCK:
             bucket = age_bucket(age)
             self.block_priors[bucket] = self.block_prior(bucket)
@@ -263,24 +264,23 @@ class VerifyPolicy:
         if kind == LOOKUP and match is not None:
             bucket = match_bucket(match)
             self.lookup_priors[bucket] = self.lookup_prior(bucket)
-            self._average(self.lookup_priors, bucket, (LOOKUP, bucket), observed)
-        self._average(self.priors, kind, kind, observed)
+            self._average(self.lookup_priors, bucket, (LOOKUP, bucket), observed, self.pool_smoothing)
+        self._average(self.priors, kind, kind, observed, self.pool_smoothing)
 
     def age_smoothing(self, bucket: int) -> float:
         """The least step of the pooled block estimate of age `bucket`: a row spends 1, 1, 2, 4 and 8 rounds in
         buckets 0 to 4, so a step of `pool_smoothing` would follow the first rounds of many dozen rows (a process
         that turns from one kind of prompt to another would price a new row's first rounds by the old kind for
         that long); `1 / (AGE_POOL_ROWS x those rounds)` follows the latest few rows. At least `pool_smoothing`,
-        which the open-ended bucket 5 keeps."""
-        if bucket >= 5:
+        which the open-ended bucket `OLDEST_AGE` keeps."""
+        if bucket >= OLDEST_AGE:
             return self.pool_smoothing
         return max(self.pool_smoothing, 1 / (AGE_POOL_ROWS * (1 << max(bucket - 1, 0))))
 
-    def _average(self, pool: dict, key, counter, observed: float, least: float | None = None) -> None:
-        """`pool[key]` moved towards `observed` as `_pool` says (by at least `least`, default `pool_smoothing`);
-        `pooled_rounds[counter]` counts its rounds."""
+    def _average(self, pool: dict, key, counter, observed: float, least: float) -> None:
+        """`pool[key]` moved towards `observed` as `_pool` says, by at least `least`; `pooled_rounds[counter]` counts
+        its rounds."""
         seen = self.pooled_rounds[counter] = self.pooled_rounds.get(counter, 0) + 1
-        least = self.pool_smoothing if least is None else least
         pool[key] += max(least, 1 / (seen + 1)) * (observed - pool[key])
 
     def _backoff(self, interval: int, accepted: int) -> int:
@@ -312,8 +312,8 @@ class VerifyPolicy:
 
 def age_bucket(rounds: int) -> int:
     """The bucket of a row's age (the rounds it took part in before this one) whose block acceptance the policy
-    pools: round 0, 1, 2-3, 4-7, 8-15 and 16 on are buckets 0 to 5."""
-    return min(rounds.bit_length(), 5)
+    pools: round 0, 1, 2-3, 4-7, 8-15 and 16 on are buckets 0 to `OLDEST_AGE`."""
+    return min(rounds.bit_length(), OLDEST_AGE)
 
 
 def match_bucket(match: int) -> int:
@@ -461,5 +461,5 @@ def untangled(plan: RoundPlan, proposal: Proposal, lookups: list[list[int]], blo
 
 
 __all__ = ["BLOCK", "BOTH", "DEFAULT_BLOCK_SIZE", "LOOKUP", "NOTHING", "RoundPlan", "RowHistory", "VerifyPolicy",
-           "age_bucket", "apply_plan", "check_policy_width", "make_chooser", "match_bucket", "pass_kind", "policy_for", "tree_width",
-           "untangled", "verify_width"]
+           "age_bucket", "apply_plan", "check_policy_width", "make_chooser", "match_bucket", "pass_kind", "policy_for",
+           "tree_width", "untangled", "verify_width"]
