@@ -43,6 +43,7 @@ class StaticKVCache:
         self.key = cache_key(config, slots, capacity, device, dtype)
         self._committed = [0] * slots  # per slot: its columns 0..committed-1 hold its tokens at their positions
         self.write_index: torch.Tensor | None = None
+        self._scatter_index: torch.Tensor | None = None  # write_index expanded to a layer's states (eager passes)
         self._first_row, self._kv_length = 0, None
 
     @property
@@ -77,10 +78,18 @@ class StaticKVCache:
         self._first_row = first_row
         self._kv_length = None if kv_length == self.capacity else kv_length  # None: every column (compiled passes)
         self.write_index = move(write_index, self.device)
+        _, heads, _, head_dim = self.keys[0].shape
+        self._scatter_index = self.write_index[:, None, :, None].expand(rows, heads, write_index.shape[1], head_dim)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Write `(rows, kv_heads, width, head_dim)` states at the planned columns; return the attended columns."""
-        index = self.write_index[:, None, :, None].expand_as(key_states)
+        """Write `(rows, kv_heads, width, head_dim)` states at the planned columns; return the attended columns.
+        The index every layer scatters with is expanded once a pass, in `plan` (per layer, its few small operations
+        were a measurable part of an eager decoding step on small models); a compiled pass builds it in its graph,
+        from the write index's symbolic sizes."""
+        if torch.compiler.is_compiling():
+            index = self.write_index[:, None, :, None].expand_as(key_states)
+        else:
+            index = self._scatter_index
         rows = slice(self._first_row, self._first_row + index.shape[0])
         keys, values = self.keys[layer_idx][rows], self.values[layer_idx][rows]
         keys.scatter_(2, index, key_states.to(keys.dtype))

@@ -23,7 +23,8 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria,
                                                        StopStringCriteria)
 
-from .acceptance_d3d import RowSampling, block_verify, ends_row_only, greedy_accept, process, rejection_sample
+from .acceptance_d3d import (RowProcessors, RowSampling, block_verify, ends_row_only, greedy_accept, process,
+                             rejection_sample)
 from .caches_d3d import StaticKVCache
 from .lookup_d3d import LookupSource
 from .masking_d3d import ENGINE_ATTENTION
@@ -57,6 +58,7 @@ class RowSettings:
     def __post_init__(self):
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        self.logits_processor = RowProcessors(self.logits_processor)  # called every round: signatures read once
         # EOS and the length limit are the engine's own; the rest are checked token by token.
         self.stopping_criteria = StoppingCriteriaList(
             c for c in self.stopping_criteria if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria))
@@ -248,6 +250,7 @@ class SpeculativeEngine:
         if lookup is not None and source is not None and lookup.block_size != source.block_size:
             raise ValueError(f"The lookup's block size {lookup.block_size} differs from the drafter's {source.block_size}")
         self.target, self.source, self.lookup = target, source, lookup
+        self.vocab_size = target.config.get_text_config().vocab_size  # read once: a config read is slow, per round
         self.width = next((s.block_size for s in (source, lookup) if s is not None), 1)
         self.policy = policy if policy is not None or lookup is None else VerifyPolicy(self.width)
         if self.policy is not None and self.width > 1:
@@ -273,7 +276,7 @@ class SpeculativeEngine:
 
     def check_request(self, prompt: list[int], settings: RowSettings, drafter_prompt: list[int] | None = None) -> None:
         """Raise `ValueError` unless `prompt` can be decoded with `settings` by this engine."""
-        vocab = self.target.config.get_text_config().vocab_size
+        vocab = self.vocab_size
         for name, ids in (("prompt", prompt), ("drafter prompt", drafter_prompt)):
             if ids is None:
                 continue
@@ -368,7 +371,7 @@ class SpeculativeEngine:
         proposal = None
         if plan.drafter:
             proposal = self.source.propose(contexts, [row.sampling for row in self.rows])
-        plan, proposal = apply_plan(plan, proposal, lookups, self.target.config.get_text_config().vocab_size,
+        plan, proposal = apply_plan(plan, proposal, lookups, self.vocab_size,
                                     any(row.settings.do_sample for row in self.rows), self.device, self.width)
         # 3. verify: ONE target pass over every row's [anchor, drafts] (and a tree's second branch)
         verify_start = self.clock.mark()
@@ -427,8 +430,8 @@ class SpeculativeEngine:
         the second branch beside the first, `PassLayout.branched`): logits `(rows, width, vocab)` float32; the cache
         gains the columns, committed as far as `step` accepts."""
         width = self.width if width is None else width
-        ids = torch.zeros(len(self.rows), width, dtype=torch.long)  # the drafts' columns filled on the device
-        ids[:, 0] = torch.tensor([row.last_token for row in self.rows], dtype=torch.long)
+        padding = [0] * (width - 1)  # the drafts' columns, filled on the device
+        ids = torch.tensor([[row.last_token, *padding] for row in self.rows], dtype=torch.long)
         starts = torch.tensor(self.cache.committed[: len(self.rows)], dtype=torch.long)
         tail = proposal.drafts if proposal is not None and width > 1 else None
         layout = PassLayout.causal(ids, starts)

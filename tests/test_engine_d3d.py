@@ -2,6 +2,7 @@
 decoding it alone (greedy) or follows the target's distribution (sampling), with mixed lengths, early EOS, rows
 joining mid-run, cancellation and failures; every prepared successor branch equals block drafting from its prefix."""
 
+import inspect
 import itertools
 import time
 import threading
@@ -227,6 +228,44 @@ def test_a_failing_row_ends_with_its_error_and_the_others_finish(kind):
     assert list(errors) == [1] and "injected" in str(errors[1])
     for key in (0, 2):
         assert outputs[key] == alone(target, prompts[key], 20)
+
+
+class NeedsScale(LogitsProcessor):
+    """A processor that takes an argument besides `(input_ids, scores)`, which no row passes."""
+
+    def __call__(self, input_ids, scores, scale):
+        return scores * scale
+
+
+def test_a_rows_processors_read_their_signatures_once_and_process_as_transformers_list_does(monkeypatch):
+    """A sampled row calls its processors every round: each processor's signature is read once for the row, not once
+    a round as `LogitsProcessorList.__call__` reads it (`inspect.signature`, a measurable part of a small target's
+    decoding step); the logits come out as transformers' list makes them, and a processor that needs an argument
+    nobody passes fails its row with transformers' own error."""
+    target, drafter = pair(0, 4, 12)
+    reads = Counter()
+    signature = inspect.signature
+
+    def counted(function, *args, **kwargs):
+        owner = getattr(function, "__self__", None)
+        if isinstance(owner, LogitsProcessor):
+            reads[id(owner)] += 1
+        return signature(function, *args, **kwargs)
+
+    monkeypatch.setattr(inspect, "signature", counted)
+    given, scores = processors(), torch.randn(5, 12)
+    processed = RowSettings(12, do_sample=True, logits_processor=given).logits_processor
+    assert torch.equal(processed(torch.zeros(5, 1, dtype=torch.long), scores.clone()),
+                       LogitsProcessorList(given)(torch.zeros(5, 1, dtype=torch.long), scores.clone()))
+    reads.clear()
+    decoder = engine_for(target, drafter)
+    decoder.add(0, [1, 2, 3], RowSettings(12, do_sample=True, logits_processor=given, seed=3))
+    outputs = {}
+    assert drive(decoder, outputs) == {} and len(outputs[0]) == 12 and decoder.round_record.rounds > 2
+    assert sorted(reads.values()) == [1, 1, 1], reads
+    decoder.add(1, [1, 2, 3], RowSettings(12, do_sample=True, logits_processor=LogitsProcessorList([NeedsScale()])))
+    errors = drive(decoder, {})
+    assert list(errors) == [1] and "Make sure that all the required parameters" in str(errors[1])
 
 
 def test_a_failing_batched_pass_raises_and_reset_recovers():
