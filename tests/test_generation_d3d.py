@@ -361,3 +361,23 @@ def test_a_rows_minimum_length_counts_from_its_own_prompt_in_a_left_padded_batch
     assert minimum < ends <= minimum + width - len(prompts[0])  # the short row ends inside the padding's window
     out = run_min_path(path, target, drafter, ids, mask, **kwargs)
     assert torch.equal(out, reference), (out[:, width:], reference[:, width:])
+
+
+def test_a_lookup_longer_than_a_block_verifies_that_many_drafts_and_decodes_as_generate():
+    """Without a drafter, `lookup=N` verifies up to N drafts a round in one N + 1 column pass (a repeating text keeps
+    more per round than a block of 16 allows), and every row is still the target's own greedy output; with a
+    drafter, a lookup longer than its block is refused."""
+    target = always_predicts(tiny_target(5, vocab_size=40), 7)
+    generator = torch.Generator().manual_seed(3)
+    ids, mask = left_pad([torch.randint(0, 40, (n,), generator=generator) for n in (5, 11)])
+    reference = target.generate(ids, attention_mask=mask, max_new_tokens=70, do_sample=False)
+    record = RoundRecord()
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=70, do_sample=False,
+                          custom_generate=speculative_generate, drafter=None, lookup=24, policy=EveryChoice(25),
+                          round_record=record)
+    assert torch.equal(out, reference)
+    assert max(record.accepted) == 25  # 24 lookup drafts and the target's token in one round
+    drafter = D3DForBlockDiffusion.from_backbone(tiny_target(6, vocab_size=40), block_size=4)
+    with pytest.raises(ValueError, match="1..3 drafts"):
+        target.generate(ids, attention_mask=mask, max_new_tokens=8, custom_generate=speculative_generate,
+                        drafter=drafter, lookup=24)

@@ -382,7 +382,7 @@ def test_costs_not_measured_yet_are_taken_as_the_cheapest_they_can_be():
 
 
 @pytest.mark.parametrize("lookup,policy,message", [
-    (0, None, "1..15"), ("yes", None, "lookup must be"), (True, False, "needs the verify policy"),
+    (0, None, "got 0"), (16, None, "1..15"), ("yes", None, "lookup must be"), (True, False, "needs the verify policy"),
     (False, "on", "policy must be"), (True, VerifyPolicy(8), "block size 8"),
 ])
 def test_chooser_settings_of_the_wrong_kind_are_refused_in_one_line(lookup, policy, message):
