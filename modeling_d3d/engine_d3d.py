@@ -379,6 +379,7 @@ class SpeculativeEngine:
         verify_end = self.clock.mark()
         # 4-6. process, accept, stop and commit (the round's one device-to-host read)
         outcomes = self._accept(proposal, logits, plan.choices)
+        accept_end = self.clock.mark()
         # 7. observe: the drafter source learns what each row kept (and joins its background drafting)
         drafting = DraftTiming()
         if plan.drafter:
@@ -386,10 +387,14 @@ class SpeculativeEngine:
         verify_seconds = seconds(verify_start, verify_end)
         # exposed: the target's stream waited for the drafts before verifying, then for the worker
         exposed = (seconds(start, verify_start) if proposal is not None else 0.0) + drafting.exposed
-        if self.policy is not None:  # drafting's cost, without the drafter's prefill of rows that joined
+        if self.policy is not None:  # drafting's cost, without the drafter's prefill of rows that joined; the
+            # verification's, with the acceptance after its pass (processing and drawing over every verified column:
+            # a sampled wide round's is a large part of its cost on a CPU, and a policy blind to it verifies drafts
+            # that do not pay)
             drafter_seconds = max(exposed - proposal.caught_up_seconds, 0.0) if proposal is not None else exposed
-            self.policy.observe(keys, plan, [outcome.accepted_drafts for outcome in outcomes], verify_seconds,
-                                drafter_seconds, [outcome.branches for outcome in outcomes])
+            self.policy.observe(keys, plan, [outcome.accepted_drafts for outcome in outcomes],
+                                seconds(verify_start, accept_end), drafter_seconds,
+                                [outcome.branches for outcome in outcomes])
         # 8. finished and failed rows leave
         self._keep([i for i, outcome in enumerate(outcomes) if not outcome.finished])
         total = time.perf_counter() - start.host

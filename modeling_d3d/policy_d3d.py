@@ -220,7 +220,9 @@ class VerifyPolicy:
     def observe(self, keys: list, plan: RoundPlan, accepted_drafts: list[int], verify_seconds: float,
                 drafter_seconds: float, branches: list[tuple[int, int] | None] | None = None) -> None:
         """What the round of `plan` kept per row (`accepted_drafts`, for rows that went on; `branches[r]`: what a
-        `BOTH` row's block and lookup each matched) and what its passes cost."""
+        `BOTH` row's block and lookup each matched) and what its passes cost (`verify_seconds`: the verify pass and
+        the acceptance after it, which grows with the verified columns; `drafter_seconds`: the drafting the round
+        waited for)."""
         rows, rate = len(keys), self.smoothing
         self._measure(pass_kind(plan.width, self.block_size), rows, verify_seconds)
         if plan.drafter:

@@ -3,6 +3,7 @@ lookup finds the earlier occurrence of the longest suffix whose text before agre
 second; sampled rows under every kind of plan follow the target's exact distribution, and a plan that peeks at the
 round's verification fails the same test."""
 
+import time
 from collections import Counter
 
 import pytest
@@ -379,6 +380,31 @@ def test_costs_not_measured_yet_are_taken_as_the_cheapest_they_can_be():
     policy.observe([0], RoundPlan([BLOCK], True, 16), [0], 1.0, 10.0)
     assert policy.cost("narrow", 1) == 1.0 and policy.cost("drafter", 1) == 10.0
     assert plan_of(policy, [[]]) == [NOTHING]  # now measured: 1 token a second beats ~5 tokens per 11 seconds
+
+
+class Slow(LogitsProcessor):
+    """Leaves the scores as they are, taking `DELAY` seconds a call (the engine calls it once per verified position:
+    it reads the context)."""
+
+    DELAY = 0.01
+
+    def __call__(self, input_ids, scores):
+        time.sleep(self.DELAY)
+        return scores
+
+
+def test_the_policy_prices_a_round_by_its_verification_and_the_acceptance_after_it():
+    """A row's processing runs over every column a round verifies: a wide sampled round's acceptance can cost more
+    than its pass (top-p sorts each column's vocabulary), and a policy that priced only the pass verified drafts that
+    did not pay at T=0.6. Each measured cost holds the processing of the columns it verified."""
+    target, drafter = tiny_target(3, vocab_size=VOCAB), tiny_drafter(4, block_size=4, vocab_size=VOCAB)
+    policy = EveryChoice(4)  # plain steps and blocks in turn
+    engine = SpeculativeEngine(target, BlockSource(drafter), max_length=64, policy=policy)
+    engine.add(0, [1, 2, 3], RowSettings(40, do_sample=True, logits_processor=LogitsProcessorList([Slow()]), seed=1))
+    while len(engine):
+        engine.step()
+    assert policy.measured[("narrow", 1)] >= Slow.DELAY
+    assert policy.measured[("wide", 1)] >= 4 * Slow.DELAY
 
 
 @pytest.mark.parametrize("lookup,policy,message", [
