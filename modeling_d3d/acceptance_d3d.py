@@ -219,5 +219,5 @@ def _sample_rows(distribution: torch.Tensor, generators: list[torch.Generator | 
     return torch.cat([torch.multinomial(distribution[r : r + 1], 1, generator=g)[0] for r, g in enumerate(generators)])
 
 
-__all__ = ["CONTEXT_FREE_PROCESSORS", "RowProcessors", "RowSampling", "block_verify", "choose", "context_free", "drafts_from_logits", "ends_row_only",
-           "greedy_accept", "process", "rejection_sample"]
+__all__ = ["CONTEXT_FREE_PROCESSORS", "RowProcessors", "RowSampling", "block_verify", "choose", "context_free",
+           "drafts_from_logits", "ends_row_only", "greedy_accept", "process", "rejection_sample"]
