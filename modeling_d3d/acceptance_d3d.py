@@ -45,6 +45,10 @@ class RowProcessors(LogitsProcessorList):
     slower than `generate`'s. A processor that takes more than `(input_ids, scores)` goes through transformers'
     list, with its checks and kwargs."""
 
+    def __init__(self, processors=()):
+        super().__init__(processors)
+        self._takes: dict[int, tuple[object, bool]] = {}  # id -> (processor, takes kwargs); the list may change
+
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
         for processor in self:
             if self._takes_kwargs(processor):
@@ -54,10 +58,9 @@ class RowProcessors(LogitsProcessorList):
         return scores
 
     def _takes_kwargs(self, processor) -> bool:
-        read = self.__dict__.setdefault("_read", {})  # id -> (processor, takes kwargs); the list may change
-        known = read.get(id(processor))
+        known = self._takes.get(id(processor))
         if known is None or known[0] is not processor:
-            known = read[id(processor)] = processor, len(inspect.signature(processor.__call__).parameters) > 2
+            known = self._takes[id(processor)] = processor, len(inspect.signature(processor.__call__).parameters) > 2
         return known[1]
 
 

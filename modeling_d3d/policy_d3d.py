@@ -372,18 +372,18 @@ def make_chooser(lookup, policy, block_size: int | None, holder=None, compiled: 
     """The front doors' settings as engine parts. lookup: False, True (up to `B - 1` drafts a round) or an integer
     (at most that many; without a drafter any number >= 1, and the verify pass is that many plus one columns wide:
     where the text repeats, lookups longer than a block keep more, docs/results.md); policy: None or True (a
-    `VerifyPolicy`: the default whenever there is a drafter or a lookup), a `VerifyPolicy`, or False (the drafter's whole block every round, the paper's rule). Lookup needs the
-    policy (it decides when a lookup is worth verifying). block_size: the drafter's (None: no drafter,
+    `VerifyPolicy`: the default whenever there is a drafter or a lookup), a `VerifyPolicy`, or False (the drafter's
+    whole block every round, the paper's rule). Lookup needs the policy (it decides when a lookup is worth
+    verifying). block_size: the drafter's (None: no drafter, and the verify width is the lookup's, else
     `DEFAULT_BLOCK_SIZE`); holder: the model that keeps a policy made here across calls (`policy_for`: one per
     mode, `compiled`, per `drafting`, and per chooser; None: a new one). Returns (None, None) with neither a drafter
     nor a lookup (the target alone). Raises `ValueError` for settings of the wrong kind."""
     has_drafter = block_size is not None
     if policy is not None and not isinstance(policy, (bool, VerifyPolicy)):
         raise ValueError(f"policy must be True, False or a VerifyPolicy, got {policy!r}")
-    if not isinstance(lookup, (bool, int)):
-        raise ValueError(f"lookup must be True, False or the most drafts a lookup proposes (an integer), got {lookup!r}")
-    if not isinstance(lookup, bool) and lookup < 1:
-        raise ValueError(f"lookup must be True, False or the most drafts a lookup proposes (>= 1), got {lookup}")
+    if not isinstance(lookup, (bool, int)) or (not isinstance(lookup, bool) and lookup < 1):
+        raise ValueError(f"lookup must be True, False or the most drafts a lookup proposes (an integer >= 1), "
+                         f"got {lookup!r}")
     if not has_drafter:  # the lookup's own verify width: its drafts and the anchor
         block_size = DEFAULT_BLOCK_SIZE if isinstance(lookup, bool) else lookup + 1
     source = None
