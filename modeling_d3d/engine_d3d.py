@@ -97,8 +97,9 @@ class Row:
 class RoundOutcome:
     """What one round did to one row: the tokens it added, how many of them were accepted drafts (the rest is the
     target's own token), whether they came from a prepared branch, whether the row finished, or the error that ended
-    it; verified: what the row verified (`policy_d3d`: nothing, the drafter's block, a lookup, or both); branch: of
-    both, the one whose drafts it kept (`BLOCK` or `LOOKUP`), and what each matched (`branches`)."""
+    it; verified: what the row verified (`policy_d3d`: nothing, the drafter's block, a lookup, or both); long: its
+    lookup was verified whole, past a block's drafts (`RoundPlan.long`); branch: of both, the one whose drafts it
+    kept (`BLOCK` or `LOOKUP`), and what each matched (`branches`)."""
 
     key: Hashable
     added: list[int]
@@ -107,6 +108,7 @@ class RoundOutcome:
     from_branch: bool = False
     error: BaseException | None = None
     verified: str = BLOCK
+    long: bool = False
     branch: str | None = None
     branches: tuple[int, int] | None = None
 
@@ -134,6 +136,8 @@ class RoundRecord:
 
     rounds: engine rounds; row_rounds: rounds summed over rows; new_tokens; accepted[n]: row rounds that added n
     tokens; verified[kind]: row rounds that verified nothing, the drafter's block, a lookup or both (`policy_d3d`);
+    long_lookups: of the lookups, those verified whole past a block's drafts (`RoundPlan.long`, a pass of a tree's
+    width);
     lookups / branch_hits: rows that searched prepared branches / were served by one; seconds: verify,
     exposed and hidden drafting, host, and prefill; compilations: graphs PyTorch compiled during the rounds (the
     delta of `torch._dynamo.utils.counters["stats"]["unique_graphs"]`, process-wide: another thread's compiles
@@ -145,6 +149,7 @@ class RoundRecord:
     new_tokens: int = 0
     accepted: Counter = field(default_factory=Counter)
     verified: Counter = field(default_factory=Counter)
+    long_lookups: int = 0
     lookups: int = 0
     branch_hits: int = 0
     verify_seconds: float = 0.0
@@ -166,6 +171,7 @@ class RoundRecord:
                 self.new_tokens += len(outcome.added)
                 self.accepted[len(outcome.added)] += 1
                 self.verified[outcome.verified] += 1
+                self.long_lookups += outcome.long
                 self.branch_hits += outcome.from_branch
         self.lookups += looked_up
         self.verify_seconds += timing.verify
@@ -255,8 +261,13 @@ class SpeculativeEngine:
         self.policy = policy if policy is not None or lookup is None else VerifyPolicy(self.width)
         if self.policy is not None and self.width > 1:
             check_policy_width(self.policy, self.width)
-        # greedy rows may verify the drafter's block and a lookup in one pass (`policy_d3d.BOTH`)
+        # greedy rows may verify the drafter's block and a lookup in one pass (`policy_d3d.BOTH`), and lookup rows
+        # their whole continuation in a pass as wide (`RoundPlan.long`)
         self.trees = source is not None and lookup is not None and self.policy is not None
+        widest = tree_width(self.width) if self.trees else self.width
+        if lookup is not None and lookup.max_drafts > widest - 1:
+            raise ValueError(f"The lookup proposes up to {lookup.max_drafts} drafts; this engine verifies at most "
+                             f"{widest - 1} (its widest pass less the anchor)")
         self.max_rows, self.max_length = max_rows, max_length
         self.device = target.get_input_embeddings().weight.device
         self.passes = passes if passes is not None or not compile else compiled_passes(target)
@@ -378,7 +389,7 @@ class SpeculativeEngine:
         logits = self.verify(proposal, plan.width)
         verify_end = self.clock.mark()
         # 4-6. process, accept, stop and commit (the round's one device-to-host read)
-        outcomes = self._accept(proposal, logits, plan.choices)
+        outcomes = self._accept(proposal, logits, plan.choices, plan.long)
         accept_end = self.clock.mark()
         # 7. observe: the drafter source learns what each row kept (and joins its background drafting)
         drafting = DraftTiming()
@@ -432,7 +443,8 @@ class SpeculativeEngine:
     def verify(self, proposal: Proposal | None, width: int | None = None) -> torch.Tensor:
         """One target pass over `[anchor, drafts]` per row, `width` columns (None: the engine's block; `proposal`
         None: the drafts' columns zero, as `d3d bench` times the pass; a tree's width: `[anchor, drafts, second]`,
-        the second branch beside the first, `PassLayout.branched`): logits `(rows, width, vocab)` float32; the cache
+        the second branch beside the first, `PassLayout.branched`, unless the proposal has no second branch: a long
+        lookup round's `[anchor, drafts]`, causal): logits `(rows, width, vocab)` float32; the cache
         gains the columns, committed as far as `step` accepts."""
         width = self.width if width is None else width
         padding = [0] * (width - 1)  # the drafts' columns, filled on the device
@@ -440,15 +452,17 @@ class SpeculativeEngine:
         starts = torch.tensor(self.cache.committed[: len(self.rows)], dtype=torch.long)
         tail = proposal.drafts if proposal is not None and width > 1 else None
         layout = PassLayout.causal(ids, starts)
-        if width > self.width:
+        if width > self.width and (proposal is None or proposal.second is not None):  # a tree (else a long lookup)
             layout = PassLayout.branched(ids, starts, self.width)
             if proposal is not None:
                 tail = torch.cat([proposal.drafts, proposal.second], dim=1)
         return run_pass(self.target, self.cache, layout, width, forward=self.forward, tail=tail)
 
-    def _accept(self, proposal: Proposal | None, logits: torch.Tensor, choices: list[str]) -> list[RoundOutcome]:
+    def _accept(self, proposal: Proposal | None, logits: torch.Tensor, choices: list[str],
+                long: list[bool] | None = None) -> list[RoundOutcome]:
         """Steps 4-6 of a round over the target's logits `(rows, width, vocab)` (a tree round's: both branches,
-        `verify`). Returns the outcomes (a failed row's: no tokens, finished, its error)."""
+        `verify`) for rows that verified `choices` (`long`: `RoundPlan.long`). Returns the outcomes (a failed row's: no
+        tokens, finished, its error)."""
         failed: dict[int, BaseException] = dict(proposal.errors) if proposal is not None else {}
         if proposal is not None:
             drafts, num_drafts = proposal.drafts.to(self.device), proposal.num_drafts.to(self.device)
@@ -460,7 +474,9 @@ class SpeculativeEngine:
             logits, second = logits[:, : self.width], torch.cat([logits[:, :1], logits[:, self.width :]], dim=1)
         # 4. process: each row's logits processors over the target's logits it verifies (a row whose processors
         # fail leaves)
-        logits = self._process(logits, drafts, failed, [1 if c == NOTHING else logits.shape[1] for c in choices])
+        width = logits.shape[1]  # a row verifies 1 column, or a block's, or (a long lookup) all of them
+        logits = self._process(logits, drafts, failed, [1 if c == NOTHING else width if long and long[r]
+                                                        else min(width, self.width) for r, c in enumerate(choices)])
         # 5. accept: greedy matching, rejection sampling for sampled rows; then the round's one device-to-host read
         sampled = [r for r, row in enumerate(self.rows) if row.settings.do_sample and r not in failed]
         mixed = 0 < len(sampled) < len(self.rows)
@@ -508,7 +524,7 @@ class SpeculativeEngine:
             outcomes.append(RoundOutcome(
                 row.key, added, finished, accepted_drafts=min(host[r][0], len(added)),
                 from_branch=proposal is not None and proposal.hits[r] and branch != LOOKUP, verified=choices[r],
-                branch=branch, branches=tuple(branches) if branches else None))
+                long=bool(long and long[r]), branch=branch, branches=tuple(branches) if branches else None))
         return outcomes
 
     def _better_branch(self, proposal: Proposal, second: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor,

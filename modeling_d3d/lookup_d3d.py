@@ -22,15 +22,17 @@ CANDIDATES = 32  # the latest occurrences of the suffix compared (a common n-gra
 
 
 def check_lookup_settings(max_ngram: int, min_ngram: int, max_drafts: int, block_size: int) -> None:
-    """Raise `ValueError` unless `1 <= min_ngram <= max_ngram` and `1 <= max_drafts <= block_size - 1` (integers)."""
+    """Raise `ValueError` unless `1 <= min_ngram <= max_ngram` and `1 <= max_drafts <= 2 * block_size - 2`
+    (integers): a lookup verified beside a drafter of block size `B` may be verified in a pass of a tree's width
+    (`policy_d3d.tree_width`, a hybrid's long rounds); an engine checks it against its own widest pass."""
     values = (max_ngram, min_ngram, max_drafts)
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
         raise ValueError(f"lookup lengths must be integers, got max_ngram={max_ngram!r}, min_ngram={min_ngram!r}, "
                          f"max_drafts={max_drafts!r}")
     if not 1 <= min_ngram <= max_ngram:
         raise ValueError(f"lookup n-gram lengths must satisfy 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-    if not 1 <= max_drafts <= block_size - 1:
-        raise ValueError(f"a lookup proposes 1..{block_size - 1} drafts (the verify width less the anchor), "
+    if not 1 <= max_drafts <= 2 * block_size - 2:
+        raise ValueError(f"a lookup proposes 1..{2 * block_size - 2} drafts (the widest verify pass less the anchor), "
                          f"got {max_drafts}")
 
 

@@ -4,7 +4,10 @@ anchor, and the row keeps the branch that keeps more; greedy rows only).
 
 A round's cost is shared by its rows: one target pass, 1 column wide when no row verifies drafts, `B` wide when rows
 verify one proposal each, `2B - 1` wide (`tree_width`) when any row verifies both, plus one drafter pass when any
-row verifies the drafter's block. `VerifyPolicy.plan` picks, before the round, the kind of round with the most
+row verifies the drafter's block. Where trees are verified, a round as wide as a tree may instead verify lookups
+longer than a block whole (a *long* round, `RoundPlan.long`: causal, no tree in it; where the text repeats, a lookup
+that keeps all of a block's drafts often keeps more), priced by what long lookups of the same match length kept
+beyond a block's drafts (`VerifyPolicy.expected_long_lookup`). `VerifyPolicy.plan` picks, before the round, the kind of round with the most
 expected tokens per second (`RoundPlan`): expected tokens from each row's acceptance so far (accepted drafts per
 round, for the drafter's blocks and for lookups, smoothed, each blended with the same pooled over rows: for blocks
 pooled per row age, `age_bucket` (the first rounds of an answer are a regime of their own: a drafter may keep little
@@ -32,6 +35,7 @@ from .lookup_d3d import LookupSource, one_hot_logits
 from .sources_d3d import Proposal
 
 NOTHING, BLOCK, LOOKUP, BOTH = "nothing", "block", "lookup", "both"
+LONG = "long"  # the pool of drafts long lookups kept beyond a block's (`VerifyPolicy.expected_long_lookup`)
 OUTLIER = 2.0  # a measured pass above this many times its estimate is counted as this many (see `_measure`)
 WARM_UP_PASSES = 1  # the first passes of a kind at a batch size, whose one-time costs are not its cost (`_measure`)
 AGE_POOL_ROWS = 4  # a young age bucket's pooled block estimate follows about this many latest rows (`age_smoothing`)
@@ -42,15 +46,18 @@ OLDEST_AGE = 5  # the open-ended age bucket: rows of 2 ** (OLDEST_AGE - 1) round
 class RoundPlan:
     """What one round verifies: `choices[r]` per row (`NOTHING`, `BLOCK`, `LOOKUP`, `BOTH`); `drafter`: whether the
     drafter's pass runs; `width`: the verify pass's columns (1; `B` when any row verifies drafts; `tree_width(B)`
-    when any row verifies both); `alone[r]`: the one proposal (`BLOCK` or `LOOKUP`) row `r` would have verified
-    without a tree, what `observe` measures a tree's gain against; `matches[r]`: its lookup's match
-    (`lookup_d3d`), whose bucket learns what the lookup kept (None: not recorded)."""
+    when any row verifies both, or a long lookup); `alone[r]`: the one proposal (`BLOCK` or `LOOKUP`) row `r` would
+    have verified without a tree, what `observe` measures a tree's gain against; `matches[r]`: its lookup's match
+    (`lookup_d3d`), whose bucket learns what the lookup kept (None: not recorded); `long[r]`: whether `LOOKUP` row
+    `r` verifies its whole continuation, up to `tree_width(B) - 1` drafts, in a causal pass of the tree's width
+    (a *long* round: no row verifies both; None: no row does)."""
 
     choices: list[str]
     drafter: bool
     width: int
     alone: list[str] | None = field(default=None, compare=False)  # what the round verifies is the rest
     matches: list[int] | None = field(default=None, compare=False)
+    long: list[bool] | None = None
 
 
 @dataclass
@@ -95,6 +102,7 @@ class VerifyPolicy:
     pooled_rounds: dict = field(default_factory=dict)
     block_priors: dict[int, float] = field(default_factory=dict)
     lookup_priors: dict[int, float] = field(default_factory=dict)
+    long_priors: dict[int | None, float] = field(default_factory=dict)
     interval: int = 0
     lookup_interval: int = 0
 
@@ -106,7 +114,8 @@ class VerifyPolicy:
                              f"{self.pool_smoothing!r}")
         if isinstance(self.probe_every, bool) or not isinstance(self.probe_every, int) or self.probe_every < 1:
             raise ValueError(f"probe_every must be an integer >= 1, got {self.probe_every!r}")
-        self.priors = self.priors or {BLOCK: (self.block_size - 1) / 2, LOOKUP: (self.block_size - 1) / 2, BOTH: 1.0}
+        half = (self.block_size - 1) / 2
+        self.priors = self.priors or {BLOCK: half, LOOKUP: half, BOTH: 1.0, LONG: half}
         self.interval = self.interval or self.probe_every
         self.lookup_interval = self.lookup_interval or self.probe_every
 
@@ -170,52 +179,74 @@ class VerifyPolicy:
         at the pool over every lookup."""
         return self.lookup_priors.get(bucket, self.priors[LOOKUP])
 
+    def expected_long_lookup(self, short: float, found: list[int], match: int | None) -> float:
+        """The drafts a row expected to keep `short` of its lookup's first `B - 1` drafts is expected to keep of the
+        whole continuation `found` in a long round: plus the pooled drafts that long lookups whose match is in the
+        same bucket (None: any) kept beyond `B - 1` (`long_priors`, starting from `priors[LONG]`: at first
+        optimistic, so long rounds are tried), at most `len(found)`."""
+        bucket = None if match is None else match_bucket(match)
+        return min(short + self.long_priors.get(bucket, self.priors[LONG]), len(found))
+
     def plan(self, keys: list, lookups: list[list[int]], drafter: bool, greedy: list[bool] | None = None,
              trees: bool = False, matches: list[int] | None = None) -> RoundPlan:
         """The round for rows `keys` with lookup continuations `lookups` (empty: none found) and their `matches`
         (`lookup_d3d`; None: not known); `drafter`: whether the engine has a drafter source; `greedy`: per row,
         whether it decodes greedily; `trees`: whether the engine verifies both proposals of a greedy row in one pass
         (`BOTH`)."""
-        rows = len(keys)
+        rows, branch = len(keys), self.block_size - 1  # the drafts of one proposal
+        matches = matches or [None] * rows
         history = [self.row(key) for key in keys]
-        lookup_gain = [self.expected_lookup(h, found, match)
-                       for h, found, match in zip(history, lookups, matches or [None] * rows)]
+        lookup_gain = [self.expected_lookup(h, found[:branch], match)
+                       for h, found, match in zip(history, lookups, matches)]
         block_gain = [self.expected_block(h) if drafter else 0.0 for h in history]
-        narrow, wide = self.cost("narrow", rows), self.cost("wide", rows)
-        options = [(rate(rows, narrow), 0, [NOTHING] * rows)]
+        narrow, wide, tree = self.cost("narrow", rows), self.cost("wide", rows), self.cost("tree", rows)
+        # long lookups (where trees are verified, a pass of the tree's width is compiled and measured): a row whose
+        # continuation goes past a block's drafts may verify it whole
+        long = [trees and len(found) > branch for found in lookups]
+        long_gain = [self.expected_long_lookup(gain, found, match) if is_long else gain
+                     for gain, found, match, is_long in zip(lookup_gain, lookups, matches, long)]
+        options = [(rate(rows, narrow), 0, [NOTHING] * rows, None)]
         alone = None
         if any(lookups):
-            options.append((rate(rows + sum(lookup_gain), wide), 1,
-                            [LOOKUP if found else NOTHING for found in lookups]))
+            looked = [LOOKUP if found else NOTHING for found in lookups]
+            options.append((rate(rows + sum(lookup_gain), wide), 1, looked, None))
+            if any(long):
+                options.append((rate(rows + sum(long_gain), tree), 1.5, looked, long))
         if drafter:
             gains = [max(b, g) for b, g in zip(block_gain, lookup_gain)]
             choices = alone = [LOOKUP if g > b else BLOCK for b, g in zip(block_gain, lookup_gain)]
             drafting = self.cost("drafter", rows) if BLOCK in choices else 0.0
-            options.append((rate(rows + sum(gains), wide + drafting), 2, choices))
+            options.append((rate(rows + sum(gains), wide + drafting), 2, choices, None))
+            if any(long):  # each row the better of its block and its whole lookup, in a long round
+                choices = [LOOKUP if g > b else BLOCK for b, g in zip(block_gain, long_gain)]
+                drafting = self.cost("drafter", rows) if BLOCK in choices else 0.0
+                options.append((rate(rows + sum(map(max, block_gain, long_gain)), tree + drafting), 2.5, choices,
+                                long))
             branched = [trees and bool(found) and g for found, g in zip(lookups, greedy or [False] * rows)]
             if any(branched):  # a tree for every greedy row with a lookup: the better branch, and a bit more
                 tree_gains = [gain + self.priors[BOTH] if b else gain for gain, b in zip(gains, branched)]
-                tree = self.cost("tree", rows) + self.cost("drafter", rows)
-                options.append((rate(rows + sum(tree_gains), tree), 3,
-                                [BOTH if b else choice for b, choice in zip(branched, choices)]))
+                options.append((rate(rows + sum(tree_gains), tree + self.cost("drafter", rows)), 3,
+                                [BOTH if b else choice for b, choice in zip(branched, alone)], None))
             probes = [h.since_block >= self.interval for h in history]
             if any(probes):  # the best round that drafts, with every probing row verifying the drafter's block
-                _, _, best = max((option for option in options if option[1] >= 2), key=lambda option: option[:2])
+                _, _, best, best_long = max((option for option in options if option[1] >= 2),
+                                            key=lambda option: option[:2])
                 options = [(0.0, 4, [BLOCK if probe and choice != BOTH else choice
-                                     for probe, choice in zip(probes, best)])]
-        _, _, choices = max(options, key=lambda option: option[:2])
+                                     for probe, choice in zip(probes, best)], best_long)]
+        _, _, choices, long_rows = max(options, key=lambda option: option[:2])
         # a row that found a continuation but has not verified one for `lookup_interval` rounds verifies it (its
         # estimate, learnt only from verified lookups, would otherwise never come back up)
         choices = [LOOKUP if found and choice == NOTHING and h.since_lookup >= self.lookup_interval else choice
                    for choice, found, h in zip(choices, lookups, history)]
-        return self.round_of(choices, alone, matches)
+        return self.round_of(choices, alone, matches, long_rows)
 
-    def round_of(self, choices: list[str], alone: list[str] | None = None,
-                 matches: list[int] | None = None) -> RoundPlan:
-        """The `RoundPlan` of per-row `choices` (and `alone`, `matches`: `RoundPlan`'s): its drafter pass and verify
-        width."""
-        return RoundPlan(choices, BLOCK in choices or BOTH in choices, verify_width(choices, self.block_size), alone,
-                         matches)
+    def round_of(self, choices: list[str], alone: list[str] | None = None, matches: list[int] | None = None,
+                 long: list[bool] | None = None) -> RoundPlan:
+        """The `RoundPlan` of per-row `choices` (and `alone`, `matches`, `long`: `RoundPlan`'s; `long` kept for the
+        `LOOKUP` rows of a round where no row verifies both): its drafter pass and verify width."""
+        long = kept_long(choices, long)
+        return RoundPlan(choices, BLOCK in choices or BOTH in choices,
+                         verify_width(choices, self.block_size, long is not None), alone, matches, long)
 
     def observe(self, keys: list, plan: RoundPlan, accepted_drafts: list[int], verify_seconds: float,
                 drafter_seconds: float, branches: list[tuple[int, int] | None] | None = None) -> None:
@@ -227,10 +258,19 @@ class VerifyPolicy:
         self._measure(pass_kind(plan.width, self.block_size), rows, verify_seconds)
         if plan.drafter:
             self._measure("drafter", rows, drafter_seconds)
-        for r, (key, choice, accepted, both, match) in enumerate(zip(keys, plan.choices, accepted_drafts,
-                                                                    branches or [None] * rows,
-                                                                    plan.matches or [None] * rows)):
+        for r, (key, choice, accepted, both, match, long) in enumerate(zip(keys, plan.choices, accepted_drafts,
+                                                                          branches or [None] * rows,
+                                                                          plan.matches or [None] * rows,
+                                                                          plan.long or [False] * rows)):
             history = self.row(key)
+            if long:  # a long lookup: its first `B - 1` drafts learn as a lookup's, the pool what it kept beyond them
+                branch = self.block_size - 1
+                bucket = None if match is None else match_bucket(match)
+                self.long_priors[bucket] = self.long_priors.get(bucket, self.priors[LONG])
+                beyond = max(accepted - branch, 0)
+                self._average(self.long_priors, bucket, (LONG, bucket), beyond, self.pool_smoothing)
+                self._average(self.priors, LONG, LONG, beyond, self.pool_smoothing)
+                accepted = min(accepted, branch)
             if choice == BOTH and both is not None:  # both verified: each kind learns, the pool what a tree adds
                 # over the one branch this row would have verified alone (the plan's; not recorded: the one expected
                 # to keep more)
@@ -324,10 +364,10 @@ def match_bucket(match: int) -> int:
     return match.bit_length()
 
 
-def verify_width(choices: list[str], block_size: int) -> int:
+def verify_width(choices: list[str], block_size: int, long: bool = False) -> int:
     """Columns of the verify pass of a round whose rows verify `choices`: 1 when no row verifies drafts, `B` when
-    each verifies one proposal, `tree_width(B)` when any verifies both."""
-    if BOTH in choices:
+    each verifies one proposal, `tree_width(B)` when any verifies both or (`long`) a lookup longer than a block."""
+    if BOTH in choices or long:
         return tree_width(block_size)
     return block_size if any(choice != NOTHING for choice in choices) else 1
 
@@ -369,9 +409,11 @@ def policy_for(model, block_size: int, compiled: bool, lookup: bool = False,
 
 def make_chooser(lookup, policy, block_size: int | None, holder=None, compiled: bool = False,
                  drafting: Hashable = "sync") -> tuple[LookupSource | None, "VerifyPolicy | None"]:
-    """The front doors' settings as engine parts. lookup: False, True (up to `B - 1` drafts a round) or an integer
-    (at most that many; without a drafter any number >= 1, and the verify pass is that many plus one columns wide:
-    where the text repeats, lookups longer than a block keep more, docs/results.md); policy: None or True (a
+    """The front doors' settings as engine parts. lookup: False, True or an integer (at most that many drafts a
+    round; True: without a drafter `B - 1`, beside one `tree_width(B) - 1`, what a long round verifies, else the
+    first `B - 1`: `RoundPlan.long`). Without a drafter any number >= 1, and the verify pass is that many plus one
+    columns wide; beside one at most `tree_width(B) - 1` (where the text repeats, lookups longer than a block keep
+    more, docs/results.md). policy: None or True (a
     `VerifyPolicy`: the default whenever there is a drafter or a lookup), a `VerifyPolicy`, or False (the drafter's
     whole block every round, the paper's rule). Lookup needs the policy (it decides when a lookup is worth
     verifying). block_size: the drafter's (None: no drafter, and the verify width is the lookup's, else
@@ -388,7 +430,8 @@ def make_chooser(lookup, policy, block_size: int | None, holder=None, compiled: 
         block_size = DEFAULT_BLOCK_SIZE if isinstance(lookup, bool) else lookup + 1
     source = None
     if lookup is not False:
-        source = LookupSource(block_size, max_drafts=None if lookup is True else lookup)
+        longest = tree_width(block_size) - 1 if has_drafter else None
+        source = LookupSource(block_size, max_drafts=longest if lookup is True else lookup)
     if source is not None and policy is False:
         raise ValueError("lookup=True needs the verify policy (policy=True, or leave policy unset): it decides per "
                          "row when a lookup is worth verifying")
@@ -411,36 +454,42 @@ def check_policy_width(policy: VerifyPolicy, block_size: int) -> None:
 def apply_plan(plan: RoundPlan, proposal: Proposal | None, lookups: list[list[int]], vocab_size: int,
                sampled: bool, device: torch.device, block_size: int) -> tuple[RoundPlan, Proposal | None]:
     """The round's proposal as `plan` says: the drafter's `proposal` (None: it did not run) with each `LOOKUP` row's
-    drafts replaced by its lookup continuation (q one-hot), each `NOTHING` row's drafts dropped, and each `BOTH` row's
-    continuation as the second branch (`Proposal.second`), unless one branch's drafts begin with the other's: then the
-    row verifies only the longer (a second branch could keep nothing more). Returns the plan as applied (`B` wide
-    when no tree is left) and the proposal, None when the round verifies no drafts (a 1-column pass). sampled:
-    whether any row samples (then q is kept for every row); block_size: `B`, the verify width of one proposal."""
+    drafts replaced by its lookup continuation (q one-hot; its first `B - 1` drafts, all of them in a long round,
+    `RoundPlan.long`), each `NOTHING` row's drafts dropped, and each `BOTH` row's continuation as the second branch
+    (`Proposal.second`), unless one branch's drafts begin with the other's: then the row verifies only the longer (a
+    second branch could keep nothing more). Returns the plan as applied (`B` wide when no tree or long lookup is
+    left) and the proposal, None when the round verifies no drafts (a 1-column pass); a long round's drafts (and q)
+    are `tree_width(B) - 1` columns, zeros past a row's own. sampled: whether any row samples (then q is kept for
+    every row); block_size: `B`, the verify width of one proposal."""
     if BOTH in plan.choices:
         plan = untangled(plan, proposal, lookups, block_size)
     if plan.width == 1:
         return plan, None
     if proposal is not None and all(choice == BLOCK for choice in plan.choices):
         return plan, proposal
-    rows, width = len(plan.choices), block_size - 1  # the drafts of a branch
+    rows, branch = len(plan.choices), block_size - 1  # the drafts of a branch
+    width = plan.width - 1 if plan.long is not None else branch
     if proposal is None:
-        proposal = Proposal(torch.zeros(rows, width, dtype=torch.long, device=device),
+        proposal = Proposal(torch.zeros(rows, branch, dtype=torch.long, device=device),
                             torch.zeros(rows, dtype=torch.long, device=device),
-                            torch.zeros(rows, width, vocab_size, device=device) if sampled else None,
+                            torch.zeros(rows, branch, vocab_size, device=device) if sampled else None,
                             [False] * rows, [False] * rows)
-    drafts, num_drafts = proposal.drafts.clone(), proposal.num_drafts.clone()
-    logits = proposal.logits.clone() if proposal.logits is not None else None
+    padding = width - proposal.drafts.shape[1]
+    drafts = torch.nn.functional.pad(proposal.drafts, (0, padding))
+    num_drafts = proposal.num_drafts.clone()
+    logits = None if proposal.logits is None else torch.nn.functional.pad(proposal.logits, (0, 0, 0, padding))
     second = num_second = None
     if BOTH in plan.choices:
-        second = torch.zeros(rows, width, dtype=torch.long)
+        second = torch.zeros(rows, branch, dtype=torch.long)
         num_second = torch.zeros(rows, dtype=torch.long)
     for r, (choice, found) in enumerate(zip(plan.choices, lookups)):
         if choice == NOTHING:
             num_drafts[r] = 0
         elif choice in (LOOKUP, BOTH):
+            found = found[: width if plan.long is not None and plan.long[r] else branch]
             tokens = torch.tensor(found + [0] * (width - len(found)))
             if choice == BOTH:
-                second[r], num_second[r] = tokens, len(found)
+                second[r], num_second[r] = tokens[:branch], len(found)
                 continue
             drafts[r], num_drafts[r] = tokens.to(drafts.device), len(found)
             if logits is not None:
@@ -453,7 +502,9 @@ def apply_plan(plan: RoundPlan, proposal: Proposal | None, lookups: list[list[in
 
 def untangled(plan: RoundPlan, proposal: Proposal, lookups: list[list[int]], block_size: int) -> RoundPlan:
     """`plan` with each `BOTH` row whose block and lookup drafts begin one with the other verifying only the longer
-    (`BLOCK` or `LOOKUP`): a tree keeps more only where the two differ. Reads the drafts to the host."""
+    (`BLOCK` or `LOOKUP`): a tree keeps more only where the two differ. Where no tree is left, a row turned `LOOKUP`
+    whose continuation goes past a block's drafts verifies it whole (a long round: the pass of the tree's width the
+    plan priced). Reads the drafts to the host."""
     choices = list(plan.choices)
     rows = [r for r, choice in enumerate(choices) if choice == BOTH]
     blocks = proposal.drafts[rows].tolist()
@@ -463,9 +514,20 @@ def untangled(plan: RoundPlan, proposal: Proposal, lookups: list[list[int]], blo
         shorter = min(len(block), len(found))
         if block[:shorter] == found[:shorter]:
             choices[r] = LOOKUP if len(found) > len(block) else BLOCK
-    return RoundPlan(choices, plan.drafter, verify_width(choices, block_size), plan.alone, plan.matches)
+    long = kept_long(choices, [r in rows and len(lookups[r]) > block_size - 1 for r in range(len(choices))])
+    return RoundPlan(choices, plan.drafter, verify_width(choices, block_size, long is not None), plan.alone,
+                     plan.matches, long)
 
 
-__all__ = ["BLOCK", "BOTH", "DEFAULT_BLOCK_SIZE", "LOOKUP", "NOTHING", "RoundPlan", "RowHistory", "VerifyPolicy",
-           "age_bucket", "apply_plan", "check_policy_width", "make_chooser", "match_bucket", "pass_kind", "policy_for",
-           "tree_width", "untangled", "verify_width"]
+def kept_long(choices: list[str], long: list[bool] | None) -> list[bool] | None:
+    """`RoundPlan.long` of a round whose rows verify `choices`: `long` kept for its `LOOKUP` rows when no row verifies
+    both (a tree's branches are `B - 1` drafts each); None when no long lookup is left."""
+    if long is None or BOTH in choices:
+        return None
+    long = [is_long and choice == LOOKUP for is_long, choice in zip(long, choices)]
+    return long if any(long) else None
+
+
+__all__ = ["BLOCK", "BOTH", "DEFAULT_BLOCK_SIZE", "LONG", "LOOKUP", "NOTHING", "RoundPlan", "RowHistory",
+           "VerifyPolicy", "age_bucket", "apply_plan", "check_policy_width", "kept_long", "make_chooser", "match_bucket",
+           "pass_kind", "policy_for", "tree_width", "untangled", "verify_width"]

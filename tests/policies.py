@@ -1,6 +1,6 @@
 """Scripted plans for the engine's tests: `EveryChoice` makes every round verify each kind of proposal in turn, so
-identity and distribution tests cover nothing, the drafter's block, lookups and trees of both, mixed in one batch and
-alone."""
+identity and distribution tests cover nothing, the drafter's block, lookups (short and long) and trees of both, mixed in
+one batch and alone."""
 
 from modeling_d3d.policy_d3d import BLOCK, BOTH, LOOKUP, NOTHING, RoundPlan, VerifyPolicy
 
@@ -8,7 +8,9 @@ from modeling_d3d.policy_d3d import BLOCK, BOTH, LOOKUP, NOTHING, RoundPlan, Ver
 class EveryChoice(VerifyPolicy):
     """Row `r` of round `n` verifies nothing, the drafter's block, its lookup continuation or both by `(n + r) % 4`
     (both: only a greedy row of an engine that verifies trees, else its lookup; a lookup with no continuation: the
-    block; no drafter: nothing). Its decisions read nothing of the round's verification, as the real policy's."""
+    block; no drafter: nothing). In an engine that verifies trees, every even round verifies no tree (a row's turn
+    for both is its lookup) and each lookup whole (a long round, `RoundPlan.long`, where a continuation goes past a
+    block's drafts). Its decisions read nothing of the round's verification, as the real policy's."""
 
     def __init__(self, block_size: int):
         super().__init__(block_size)
@@ -17,14 +19,14 @@ class EveryChoice(VerifyPolicy):
     def plan(self, keys: list, lookups: list[list[int]], drafter: bool, greedy: list[bool] | None = None,
              trees: bool = False, matches: list[int] | None = None) -> RoundPlan:
         self.round += 1
-        choices = []
+        choices, long = [], trees and self.round % 2 == 0
         for r, found in enumerate(lookups):
             choice = (NOTHING, BLOCK, LOOKUP, BOTH)[(self.round + r) % 4]
-            if choice == BOTH and not (trees and greedy[r]):
+            if choice == BOTH and not (trees and greedy[r] and not long):
                 choice = LOOKUP
             if choice in (LOOKUP, BOTH) and not found:
                 choice = BLOCK
             if choice == BLOCK and not drafter:
                 choice = NOTHING
             choices.append(choice)
-        return self.round_of(choices)
+        return self.round_of(choices, long=[long and len(found) > self.block_size - 1 for found in lookups])

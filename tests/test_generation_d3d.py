@@ -366,7 +366,7 @@ def test_a_rows_minimum_length_counts_from_its_own_prompt_in_a_left_padded_batch
 def test_a_lookup_longer_than_a_block_verifies_that_many_drafts_and_decodes_as_generate():
     """Without a drafter, `lookup=N` verifies up to N drafts a round in one N + 1 column pass (a repeating text keeps
     more per round than a block of 16 allows), and every row is still the target's own greedy output; with a
-    drafter, a lookup longer than its block is refused."""
+    drafter, a lookup longer than a tree's width less the anchor is refused."""
     target = always_predicts(tiny_target(5, vocab_size=40), 7)
     generator = torch.Generator().manual_seed(3)
     ids, mask = left_pad([torch.randint(0, 40, (n,), generator=generator) for n in (5, 11)])
@@ -378,6 +378,27 @@ def test_a_lookup_longer_than_a_block_verifies_that_many_drafts_and_decodes_as_g
     assert torch.equal(out, reference)
     assert max(record.accepted) == 25  # 24 lookup drafts and the target's token in one round
     drafter = D3DForBlockDiffusion.from_backbone(tiny_target(6, vocab_size=40), block_size=4)
-    with pytest.raises(ValueError, match="1..3 drafts"):
+    with pytest.raises(ValueError, match="1..6 drafts"):
         target.generate(ids, attention_mask=mask, max_new_tokens=8, custom_generate=speculative_generate,
                         drafter=drafter, lookup=24)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_a_hybrids_long_lookups_verify_past_the_drafters_block_and_decode_as_generate(compile):
+    """Beside a drafter of block `B`, `lookup=True` proposes up to `tree_width(B) - 1` drafts: a long round verifies
+    a lookup whole in a causal pass of the tree's width (the rest of its rows their block, or nothing), so a repeating
+    text keeps more than `B` tokens a round, and the rows (ragged) are still the target's own greedy
+    output; compiled, the long rounds reuse the tree's graph (nothing compiles after the warm-up)."""
+    target = always_predicts(tiny_target(5, vocab_size=40), 7)
+    generator = torch.Generator().manual_seed(4)
+    ids, mask = left_pad([torch.randint(0, 40, (n,), generator=generator) for n in (6, 12)])
+    drafter = D3DForBlockDiffusion.from_backbone(tiny_target(6, vocab_size=40), block_size=4)
+    reference = target.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
+    for _ in range(2):  # the second call runs on compiled passes already warm
+        record = RoundRecord()
+        out = target.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False,
+                              custom_generate=speculative_generate, drafter=drafter, lookup=True,
+                              policy=EveryChoice(4), round_record=record, compile=compile)
+        assert torch.equal(out, reference)
+        assert record.long_lookups > 0 and max(record.accepted) == 7  # 6 lookup drafts and the target's token
+    assert record.compilations == 0

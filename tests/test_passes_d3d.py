@@ -218,6 +218,35 @@ def test_a_new_cache_size_after_plain_steps_and_blocks_compiles_nothing():
         release_compiled_passes(drafter)
 
 
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_the_fixed_shape_path_verifies_long_lookups_in_the_trees_shape(asynchronous):
+    """The hybrid (`lookup=True`: lookups up to `2B - 2` drafts) on the fixed-shape path, forced eagerly, every kind of
+    round by turns (`policies.EveryChoice`, long lookups among them: `RoundPlan.long`, a causal pass of the tree's
+    width that may keep up to `2B - 1` tokens): token-identical to `generate` on a ragged batch; the verify pass takes
+    the policy's three widths only (1, B, 2B - 1), and the block pass one shape (rows more than `B` behind after a
+    long round are brought up first, `sources_d3d.catch_up`)."""
+    target, drafter = pair(5)
+    held = {model: CompiledPasses(model, fixed=True, compile=False) for model in (target, drafter)}
+    for model, passes in held.items():
+        model.d3d_compiled_passes = passes
+    try:
+        log = ShapeLog().watch(held[target], "verify").watch(held[drafter], "block")
+        ids, mask = prompts([10, 6], 7)
+        settings = dict(max_new_tokens=48, do_sample=False)
+        record = RoundRecord()
+        output = target.generate(ids, attention_mask=mask, custom_generate=speculative_generate, drafter=drafter,
+                                 asynchronous=asynchronous, coverage=COVERAGE, fanout=FANOUT, compile=True,
+                                 lookup=True, policy=EveryChoice(BLOCK), round_record=record, **settings)
+        assert torch.equal(output, target.generate(ids, attention_mask=mask, **settings))
+        assert record.long_lookups > 0 and max(record.accepted) > BLOCK  # a long lookup kept more than a block
+        widths = {ids[1] for ids, _ in log.shapes("verify")}
+        assert 2 * BLOCK - 1 in widths and widths <= {1, BLOCK, 2 * BLOCK - 1}
+        assert len(log.shapes("block")) == 1
+    finally:
+        for model in held:
+            release_compiled_passes(model)
+
+
 def test_the_bounds_compiled_passes_are_the_graphs_the_engine_runs():
     """`d3d bench` times the compiled verify and block passes for its ideal bound (`engine_pass_seconds(compile=True)`)
     on caches of a compiled engine's size: the engine's calls of one prompt afterwards (the target alone, one token

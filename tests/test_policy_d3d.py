@@ -18,8 +18,8 @@ from modeling_d3d import (BlockSource, D3DBatchServer, D3DForBlockDiffusion, Rou
 from modeling_d3d.generation_d3d import speculative_generate
 from modeling_d3d.lookup_d3d import CANDIDATES, MAX_MATCH, LookupSource, NgramIndex
 from modeling_d3d.sources_d3d import Proposal
-from modeling_d3d.policy_d3d import (BLOCK, BOTH, LOOKUP, NOTHING, RoundPlan, VerifyPolicy, age_bucket, make_chooser,
-                                     match_bucket, pass_kind, untangled, verify_width)
+from modeling_d3d.policy_d3d import (BLOCK, BOTH, LONG, LOOKUP, NOTHING, RoundPlan, VerifyPolicy, age_bucket,
+                                     apply_plan, make_chooser, match_bucket, pass_kind, untangled, verify_width)
 from policies import EveryChoice
 
 REPEATING = [1, 5, 2, 7, 3, 1, 5, 2, 7, 3, 1, 5]  # its suffix [1, 5] occurred before: lookups find [2, 7, 3, ...]
@@ -210,6 +210,51 @@ def test_given_costs_that_name_no_tree_price_a_tree_as_a_wide_pass():
     policy = VerifyPolicy(4, costs={"narrow": 1.0, "wide": 1.0, "drafter": 0.0})
     assert policy.cost("tree", 1) == 1.0
     assert policy.plan([0], [[5, 6]], True, greedy=[True], trees=True).choices == [BOTH]
+
+
+def test_a_long_lookup_is_verified_whole_while_what_it_keeps_past_a_block_pays_for_the_wider_pass():
+    """Where trees are verified, a lookup longer than a block's drafts may be verified whole in a causal pass of the
+    tree's width (`RoundPlan.long`): at first optimistic, then priced by what long lookups of its match length kept
+    beyond `B - 1` (`long_priors`), while the first `B - 1` drafts teach the row's lookup average as a short
+    lookup's."""
+    policy = VerifyPolicy(4, costs={"narrow": 1.0, "wide": 1.0, "tree": 1.2, "drafter": 0.5}, pooling=0.0)
+    policy.row(0).block, policy.row(0).lookup = 0.0, 3.0
+    found = [5, 6, 7, 5, 6, 7]
+    plan = policy.plan([0], [found], True, greedy=[False], trees=True, matches=[9])
+    assert plan == RoundPlan([LOOKUP], False, 7, long=[True])  # 4 + 1.5 tokens for 1.2 s beat 4 for 1 s
+    assert policy.plan([0], [found], True, greedy=[False], trees=False, matches=[9]).long is None  # no trees here
+    assert policy.plan([0], [found[:3]], True, greedy=[False], trees=True, matches=[9]).long is None  # one block
+    policy.observe([0], plan, [5], 1.2, 0.0)  # kept 2 past the block: the row's lookup learns 3, the pool 2
+    assert policy.row(0).lookup == 3.0 and policy.long_priors[match_bucket(9)] == pytest.approx(1.75)
+    for _ in range(6):  # long lookups that keep nothing past the block: the short one pays more
+        plan = policy.plan([0], [found], True, greedy=[False], trees=True, matches=[9])
+        policy.observe([0], plan, [3], 1.2 if plan.long else 1.0, 0.0)
+    assert policy.plan([0], [found], True, greedy=[False], trees=True, matches=[9]) == RoundPlan([LOOKUP], False, 4)
+    # a match of another length has its own pool, which starts from the pool over every long lookup
+    assert policy.expected_long_lookup(3.0, found, 40) == pytest.approx(3.0 + policy.priors[LONG])
+
+
+def test_a_tree_untangled_to_a_lookup_longer_than_a_block_verifies_it_whole_where_no_tree_is_left():
+    proposal = Proposal(torch.tensor([[5, 6, 7], [1, 2, 3]]), torch.tensor([3, 3]), None, [False] * 2, [False] * 2)
+    long_found, other = [5, 6, 7, 8, 9], [1, 4]
+    assert untangled(RoundPlan([BOTH, BLOCK], True, 7), proposal, [long_found, other], 4) == RoundPlan(
+        [LOOKUP, BLOCK], True, 7, long=[True, False])
+    # a tree left in the round: its branches are a block wide, so the lookup verifies its first B - 1 drafts
+    assert untangled(RoundPlan([BOTH, BOTH], True, 7), proposal, [long_found, other], 4) == RoundPlan(
+        [LOOKUP, BOTH], True, 7)
+
+
+def test_a_long_round_pads_every_rows_drafts_to_the_trees_width_and_verifies_each_lookup_whole_or_by_a_block():
+    vocab = 10
+    proposal = Proposal(torch.tensor([[1, 2, 3]] * 3), torch.tensor([3, 3, 3]), torch.randn(3, 3, vocab),
+                        [False] * 3, [False] * 3)
+    plan = RoundPlan([BLOCK, LOOKUP, LOOKUP], True, 7, long=[False, True, False])
+    lookups = [[], [4, 5, 6, 7, 8], [9, 9, 9, 9]]
+    plan, applied = apply_plan(plan, proposal, lookups, vocab, True, torch.device("cpu"), 4)
+    assert applied.drafts.tolist() == [[1, 2, 3, 0, 0, 0], [4, 5, 6, 7, 8, 0], [9, 9, 9, 0, 0, 0]]
+    assert applied.num_drafts.tolist() == [3, 5, 3]
+    assert torch.equal(applied.logits[0, :3], proposal.logits[0]) and applied.logits.shape == (3, 6, vocab)
+    assert applied.logits[1, :5].argmax(-1).tolist() == [4, 5, 6, 7, 8]  # q one-hot on the lookup's drafts
 
 
 class NoZero(LogitsProcessor):
@@ -408,7 +453,7 @@ def test_the_policy_prices_a_round_by_its_verification_and_the_acceptance_after_
 
 
 @pytest.mark.parametrize("lookup,policy,message", [
-    (0, None, "got 0"), (16, None, "1..15"), ("yes", None, "lookup must be"), (True, False, "needs the verify policy"),
+    (0, None, "got 0"), (31, None, "1..30"), ("yes", None, "lookup must be"), (True, False, "needs the verify policy"),
     (False, "on", "policy must be"), (True, VerifyPolicy(8), "block size 8"),
 ])
 def test_chooser_settings_of_the_wrong_kind_are_refused_in_one_line(lookup, policy, message):
@@ -453,8 +498,8 @@ def sampled_counts(target, drafter, kind: str) -> tuple[Counter, SpeculativeEngi
     one greedy row at all times (a new one when it ends), whose trees put the sampled rows in tree rounds."""
     engine_class = PeekingEngine if kind == "peeking" else SpeculativeEngine
     source = SuccessorSource(drafter, 3, 2) if kind == "async" else BlockSource(drafter)
-    engine = engine_class(target, source, max_rows=65, max_length=64, lookup=LookupSource(4, min_ngram=2),
-                          policy=EveryChoice(4))
+    engine = engine_class(target, source, max_rows=65, max_length=64,
+                          lookup=LookupSource(4, min_ngram=2, max_drafts=6), policy=EveryChoice(4))
     counts, outputs, queue, greedy = Counter(), {}, list(range(SAMPLES)), 0
     try:
         engine.add(("greedy", greedy), REPEATING, RowSettings(NEW_TOKENS))
@@ -482,6 +527,7 @@ def test_sampled_rows_under_every_kind_of_plan_follow_the_target_distribution(sa
     target, drafter, expected = sampling_models
     counts, engine = sampled_counts(target, drafter, kind)
     assert set(engine.round_record.verified) == {NOTHING, BLOCK, LOOKUP, BOTH}  # BOTH: the greedy rows' trees
+    assert engine.round_record.long_lookups > 0  # and lookups verified whole, past the block
     assert max(engine.round_record.accepted) >= 2  # drafts were accepted, lookups among them
     assert chi_square_p_value(counts, expected, SAMPLES) > 1e-3
 

@@ -16,8 +16,8 @@ it (`identity.ceiling_tau`: what the target's entropy allows).
 
 Speedups are over the fastest target-alone baseline and over plain `generate`. The ideal bounds use the engine's own
 passes on a 256-token prefix: the run's tokens times t_T(1) over the passes its rounds ran, at those costs: sync,
-a round that verified the drafter's block t_T(B) + t_D(B) (it waits for its draft), a lookup t_T(B), both (a tree)
-t_T(2B-1) + t_D(B), nothing t_T(1); async, drafting fully hidden (t_T(B) for one proposal, t_T(2B-1) for both).
+a round that verified the drafter's block t_T(B) + t_D(B) (it waits for its draft), a lookup t_T(B) (one verified
+whole past a block's drafts, t_T(2B-1)), both (a tree) t_T(2B-1) + t_D(B), nothing t_T(1); async, drafting fully hidden (t_T(B) for one proposal, t_T(2B-1) for both).
 With the drafter's block every round these are the paper's τ·t_T(1)/(t_T(B) + t_D(B)) and τ·t_T(1)/t_T(B). The
 fraction reached is the speedup over the target alone through the engine in the same mode (eager or compiled: the
 t_T(1) the bound assumes) divided by the bound.
@@ -145,13 +145,15 @@ def run_methods(target, methods: list[Method], prompts: list[torch.Tensor], max_
 
 def ideal_bounds(run: MethodRun, passes: dict) -> tuple[float, float]:
     """(sync, async) ideal speedups of `run`: its tokens at t_T(1) each over its rounds' passes (module docstring);
-    rounds the engine did not record (transformers' loop) verified the drafter's block."""
+    rounds the engine did not record (transformers' loop) verified the drafter's block; a long lookup (past a block's
+    drafts) costs a pass of the tree's width."""
     t1, tb, tt, td = passes["t_target_1"], passes["t_target_b"], passes["t_target_tree"], passes["t_drafter_b"]
     verified = run.verified if run.verified else Counter({BLOCK: run.rounds})
-    narrow, block, lookup, both = verified[NOTHING], verified[BLOCK], verified[LOOKUP], verified[BOTH]
+    narrow, block, both, long = verified[NOTHING], verified[BLOCK], verified[BOTH], run.long_lookups
+    lookup = verified[LOOKUP] - long
     alone = run.new_tokens * t1
-    return (alone / (narrow * t1 + lookup * tb + block * (tb + td) + both * (tt + td)),
-            alone / (narrow * t1 + (lookup + block) * tb + both * tt))
+    return (alone / (narrow * t1 + lookup * tb + long * tt + block * (tb + td) + both * (tt + td)),
+            alone / (narrow * t1 + (lookup + block) * tb + (long + both) * tt))
 
 
 def round_split(run: MethodRun) -> dict:

@@ -41,7 +41,8 @@ class MethodRun:
     """One method over one prompt set: totals and per-prompt outputs. `verify_seconds` / `exposed_draft_seconds`
     are summed from the engine's round records (None for methods outside the engine), as are `compilations`
     (graphs PyTorch compiled during the rounds) and `verified` (rounds by what they verified: `policy_d3d`'s
-    nothing, block, lookup; one prompt a call, so row rounds are rounds)."""
+    nothing, block, lookup; one prompt a call, so row rounds are rounds; `long_lookups`: of the lookups, those
+    verified whole past a block's drafts)."""
 
     name: str
     seconds: float = 0.0
@@ -53,6 +54,7 @@ class MethodRun:
     exposed_draft_seconds: float | None = None
     compilations: int = 0
     verified: Counter = field(default_factory=Counter)
+    long_lookups: int = 0
     outputs: list[list[int]] = field(default_factory=list)
 
     @property
@@ -84,6 +86,7 @@ class MethodRun:
         self.exposed_draft_seconds = (self.exposed_draft_seconds or 0.0) + record.exposed_draft_seconds
         self.compilations += record.compilations
         self.verified.update(record.verified)
+        self.long_lookups += record.long_lookups
 
 
 def timed(fn: Callable[[], T], device: torch.device | str | None = None) -> tuple[T, float]:
