@@ -6,8 +6,8 @@ A round's cost is shared by its rows: one target pass, 1 column wide when no row
 verify one proposal each, `2B - 1` wide (`tree_width`) when any row verifies both, plus one drafter pass when any
 row verifies the drafter's block. Where trees are verified, a round as wide as a tree may instead verify lookups
 longer than a block whole (a *long* round, `RoundPlan.long`: causal, no tree in it; where the text repeats, a lookup
-that keeps all of a block's drafts often keeps more), priced by what long lookups of the same match length kept
-beyond a block's drafts (`VerifyPolicy.expected_long_lookup`). `VerifyPolicy.plan` picks, before the round, the kind of round with the most
+that keeps all of a block's drafts often keeps more), priced by how often lookups of the same match length keep a
+whole block's drafts and what long ones then kept beyond them (`VerifyPolicy.expected_long_lookup`). `VerifyPolicy.plan` picks, before the round, the kind of round with the most
 expected tokens per second (`RoundPlan`): expected tokens from each row's acceptance so far (accepted drafts per
 round, for the drafter's blocks and for lookups, smoothed, each blended with the same pooled over rows: for blocks
 pooled per row age, `age_bucket` (the first rounds of an answer are a regime of their own: a drafter may keep little
@@ -35,7 +35,9 @@ from .lookup_d3d import LookupSource, one_hot_logits
 from .sources_d3d import Proposal
 
 NOTHING, BLOCK, LOOKUP, BOTH = "nothing", "block", "lookup", "both"
-LONG = "long"  # the pool of drafts long lookups kept beyond a block's (`VerifyPolicy.expected_long_lookup`)
+# the pools of lookups that kept every one of a block's drafts, and of what long ones then kept beyond them
+# (`VerifyPolicy.expected_long_lookup`)
+FULL, LONG = "full", "long"
 OUTLIER = 2.0  # a measured pass above this many times its estimate is counted as this many (see `_measure`)
 WARM_UP_PASSES = 1  # the first passes of a kind at a batch size, whose one-time costs are not its cost (`_measure`)
 AGE_POOL_ROWS = 4  # a young age bucket's pooled block estimate follows about this many latest rows (`age_smoothing`)
@@ -102,6 +104,7 @@ class VerifyPolicy:
     pooled_rounds: dict = field(default_factory=dict)
     block_priors: dict[int, float] = field(default_factory=dict)
     lookup_priors: dict[int, float] = field(default_factory=dict)
+    full_priors: dict[int | None, float] = field(default_factory=dict)
     long_priors: dict[int | None, float] = field(default_factory=dict)
     interval: int = 0
     lookup_interval: int = 0
@@ -115,7 +118,7 @@ class VerifyPolicy:
         if isinstance(self.probe_every, bool) or not isinstance(self.probe_every, int) or self.probe_every < 1:
             raise ValueError(f"probe_every must be an integer >= 1, got {self.probe_every!r}")
         half = (self.block_size - 1) / 2
-        self.priors = self.priors or {BLOCK: half, LOOKUP: half, BOTH: 1.0, LONG: half}
+        self.priors = self.priors or {BLOCK: half, LOOKUP: half, BOTH: 1.0, FULL: 0.0, LONG: half}
         self.interval = self.interval or self.probe_every
         self.lookup_interval = self.lookup_interval or self.probe_every
 
@@ -181,11 +184,14 @@ class VerifyPolicy:
 
     def expected_long_lookup(self, short: float, found: list[int], match: int | None) -> float:
         """The drafts a row expected to keep `short` of its lookup's first `B - 1` drafts is expected to keep of the
-        whole continuation `found` in a long round: plus the pooled drafts that long lookups whose match is in the
-        same bucket (None: any) kept beyond `B - 1` (`long_priors`, starting from `priors[LONG]`: at first
-        optimistic, so long rounds are tried), at most `len(found)`."""
+        whole continuation `found` in a long round: plus, pooled over lookups whose match is in the same bucket (None:
+        any), the fraction that kept all `B - 1` (`full_priors`, learnt from every verified lookup, starting from
+        `priors[FULL]`, at first 0: where lookups keep little, as in sampled decoding, no long round is tried) times
+        what long lookups that kept them kept beyond (`long_priors`, starting from `priors[LONG]`, at first
+        optimistic: where lookups keep whole blocks, long rounds are tried), at most `len(found)`."""
         bucket = None if match is None else match_bucket(match)
-        return min(short + self.long_priors.get(bucket, self.priors[LONG]), len(found))
+        full = self.full_priors.get(bucket, self.priors[FULL])
+        return min(short + full * self.long_priors.get(bucket, self.priors[LONG]), len(found))
 
     def plan(self, keys: list, lookups: list[list[int]], drafter: bool, greedy: list[bool] | None = None,
              trees: bool = False, matches: list[int] | None = None) -> RoundPlan:
@@ -205,13 +211,15 @@ class VerifyPolicy:
         long = [trees and len(found) > branch for found in lookups]
         long_gain = [self.expected_long_lookup(gain, found, match) if is_long else gain
                      for gain, found, match, is_long in zip(lookup_gain, lookups, matches, long)]
+        # options: (tokens per second, order: the higher wins a tie, a long round loses one to its short one; choices;
+        # long rows); from order 1.5 on, the rounds with the drafter
         options = [(rate(rows, narrow), 0, [NOTHING] * rows, None)]
         alone = None
         if any(lookups):
             looked = [LOOKUP if found else NOTHING for found in lookups]
             options.append((rate(rows + sum(lookup_gain), wide), 1, looked, None))
             if any(long):
-                options.append((rate(rows + sum(long_gain), tree), 1.5, looked, long))
+                options.append((rate(rows + sum(long_gain), tree), 0.5, looked, long))
         if drafter:
             gains = [max(b, g) for b, g in zip(block_gain, lookup_gain)]
             choices = alone = [LOOKUP if g > b else BLOCK for b, g in zip(block_gain, lookup_gain)]
@@ -220,7 +228,7 @@ class VerifyPolicy:
             if any(long):  # each row the better of its block and its whole lookup, in a long round
                 choices = [LOOKUP if g > b else BLOCK for b, g in zip(block_gain, long_gain)]
                 drafting = self.cost("drafter", rows) if BLOCK in choices else 0.0
-                options.append((rate(rows + sum(map(max, block_gain, long_gain)), tree + drafting), 2.5, choices,
+                options.append((rate(rows + sum(map(max, block_gain, long_gain)), tree + drafting), 1.5, choices,
                                 long))
             branched = [trees and bool(found) and g for found, g in zip(lookups, greedy or [False] * rows)]
             if any(branched):  # a tree for every greedy row with a lookup: the better branch, and a bit more
@@ -229,7 +237,7 @@ class VerifyPolicy:
                                 [BOTH if b else choice for b, choice in zip(branched, alone)], None))
             probes = [h.since_block >= self.interval for h in history]
             if any(probes):  # the best round that drafts, with every probing row verifying the drafter's block
-                _, _, best, best_long = max((option for option in options if option[1] >= 2),
+                _, _, best, best_long = max((option for option in options if option[1] >= 1.5),
                                             key=lambda option: option[:2])
                 options = [(0.0, 4, [BLOCK if probe and choice != BOTH else choice
                                      for probe, choice in zip(probes, best)], best_long)]
@@ -263,13 +271,13 @@ class VerifyPolicy:
                                                                           plan.matches or [None] * rows,
                                                                           plan.long or [False] * rows)):
             history = self.row(key)
+            branch = self.block_size - 1
+            looked_up = accepted if choice == LOOKUP else both[1] if choice == BOTH and both is not None else None
+            if looked_up is not None:  # whether the lookup kept a whole block's drafts
+                self._pool_match(self.full_priors, FULL, match, float(looked_up >= branch))
             if long:  # a long lookup: its first `B - 1` drafts learn as a lookup's, the pool what it kept beyond them
-                branch = self.block_size - 1
-                bucket = None if match is None else match_bucket(match)
-                self.long_priors[bucket] = self.long_priors.get(bucket, self.priors[LONG])
-                beyond = max(accepted - branch, 0)
-                self._average(self.long_priors, bucket, (LONG, bucket), beyond, self.pool_smoothing)
-                self._average(self.priors, LONG, LONG, beyond, self.pool_smoothing)
+                if accepted >= branch:
+                    self._pool_match(self.long_priors, LONG, match, accepted - branch)
                 accepted = min(accepted, branch)
             if choice == BOTH and both is not None:  # both verified: each kind learns, the pool what a tree adds
                 # over the one branch this row would have verified alone (the plan's; not recorded: the one expected
@@ -307,6 +315,14 @@ class VerifyPolicy:
             bucket = match_bucket(match)
             self.lookup_priors[bucket] = self.lookup_prior(bucket)
             self._average(self.lookup_priors, bucket, (LOOKUP, bucket), observed, self.pool_smoothing)
+        self._average(self.priors, kind, kind, observed, self.pool_smoothing)
+
+    def _pool_match(self, pools: dict, kind: str, match: int | None, observed: float) -> None:
+        """Move `pools[match_bucket(match)]` (None: `match` unknown; a bucket not seen yet starts at `priors[kind]`)
+        and `priors[kind]` towards `observed`, as `_pool` does."""
+        bucket = None if match is None else match_bucket(match)
+        pools[bucket] = pools.get(bucket, self.priors[kind])
+        self._average(pools, bucket, (kind, bucket), observed, self.pool_smoothing)
         self._average(self.priors, kind, kind, observed, self.pool_smoothing)
 
     def age_smoothing(self, bucket: int) -> float:
@@ -528,6 +544,6 @@ def kept_long(choices: list[str], long: list[bool] | None) -> list[bool] | None:
     return long if any(long) else None
 
 
-__all__ = ["BLOCK", "BOTH", "DEFAULT_BLOCK_SIZE", "LONG", "LOOKUP", "NOTHING", "RoundPlan", "RowHistory",
+__all__ = ["BLOCK", "BOTH", "DEFAULT_BLOCK_SIZE", "FULL", "LONG", "LOOKUP", "NOTHING", "RoundPlan", "RowHistory",
            "VerifyPolicy", "age_bucket", "apply_plan", "check_policy_width", "kept_long", "make_chooser", "match_bucket",
            "pass_kind", "policy_for", "tree_width", "untangled", "verify_width"]

@@ -18,7 +18,7 @@ from modeling_d3d import (BlockSource, D3DBatchServer, D3DForBlockDiffusion, Rou
 from modeling_d3d.generation_d3d import speculative_generate
 from modeling_d3d.lookup_d3d import CANDIDATES, MAX_MATCH, LookupSource, NgramIndex
 from modeling_d3d.sources_d3d import Proposal
-from modeling_d3d.policy_d3d import (BLOCK, BOTH, LONG, LOOKUP, NOTHING, RoundPlan, VerifyPolicy, age_bucket,
+from modeling_d3d.policy_d3d import (BLOCK, BOTH, FULL, LONG, LOOKUP, NOTHING, RoundPlan, VerifyPolicy, age_bucket,
                                      apply_plan, make_chooser, match_bucket, pass_kind, untangled, verify_width)
 from policies import EveryChoice
 
@@ -214,24 +214,39 @@ def test_given_costs_that_name_no_tree_price_a_tree_as_a_wide_pass():
 
 def test_a_long_lookup_is_verified_whole_while_what_it_keeps_past_a_block_pays_for_the_wider_pass():
     """Where trees are verified, a lookup longer than a block's drafts may be verified whole in a causal pass of the
-    tree's width (`RoundPlan.long`): at first optimistic, then priced by what long lookups of its match length kept
-    beyond `B - 1` (`long_priors`), while the first `B - 1` drafts teach the row's lookup average as a short
-    lookup's."""
-    policy = VerifyPolicy(4, costs={"narrow": 1.0, "wide": 1.0, "tree": 1.2, "drafter": 0.5}, pooling=0.0)
+    tree's width (`RoundPlan.long`), priced per match length by how often lookups kept all `B - 1` drafts
+    (`full_priors`: at first none did, so no long round is tried where lookups keep little) times what long ones then
+    kept beyond (`long_priors`); its first `B - 1` drafts teach the row's lookup average as a short lookup's."""
+    policy = VerifyPolicy(4, costs={"narrow": 1.0, "wide": 1.0, "tree": 1.1, "drafter": 0.5}, pooling=0.0)
     policy.row(0).block, policy.row(0).lookup = 0.0, 3.0
-    found = [5, 6, 7, 5, 6, 7]
-    plan = policy.plan([0], [found], True, greedy=[False], trees=True, matches=[9])
-    assert plan == RoundPlan([LOOKUP], False, 7, long=[True])  # 4 + 1.5 tokens for 1.2 s beat 4 for 1 s
+    found, bucket = [5, 6, 7, 5, 6, 7], match_bucket(9)
+
+    def plan():
+        return policy.plan([0], [found], True, greedy=[False], trees=True, matches=[9])
+
+    assert plan() == RoundPlan([LOOKUP], False, 4)  # no lookup has kept a whole block yet
+    policy.observe([0], plan(), [3], 1.0, 0.0)  # this one did: half of the bucket's lookups, so far
+    assert policy.full_priors[bucket] == 0.5
+    assert plan() == RoundPlan([LOOKUP], False, 7, long=[True])  # 4 + 0.5 x 1.5 tokens for 1.1 s beat 4 for 1 s
     assert policy.plan([0], [found], True, greedy=[False], trees=False, matches=[9]).long is None  # no trees here
     assert policy.plan([0], [found[:3]], True, greedy=[False], trees=True, matches=[9]).long is None  # one block
-    policy.observe([0], plan, [5], 1.2, 0.0)  # kept 2 past the block: the row's lookup learns 3, the pool 2
-    assert policy.row(0).lookup == 3.0 and policy.long_priors[match_bucket(9)] == pytest.approx(1.75)
-    for _ in range(6):  # long lookups that keep nothing past the block: the short one pays more
-        plan = policy.plan([0], [found], True, greedy=[False], trees=True, matches=[9])
-        policy.observe([0], plan, [3], 1.2 if plan.long else 1.0, 0.0)
-    assert policy.plan([0], [found], True, greedy=[False], trees=True, matches=[9]) == RoundPlan([LOOKUP], False, 4)
-    # a match of another length has its own pool, which starts from the pool over every long lookup
-    assert policy.expected_long_lookup(3.0, found, 40) == pytest.approx(3.0 + policy.priors[LONG])
+    policy.observe([0], plan(), [5], 1.1, 0.0)  # kept 2 past the block: the row's lookup learns 3, the pool 2
+    assert policy.row(0).lookup == 3.0 and policy.long_priors[bucket] == pytest.approx(1.75)
+    for _ in range(12):  # long lookups that keep nothing past the block: the short one pays more
+        policy.observe([0], plan(), [3], 1.1, 0.0)
+    assert plan() == RoundPlan([LOOKUP], False, 4)
+    # a match of another length has its own pools, which start from the pools over every lookup
+    assert policy.expected_long_lookup(3.0, found, 40) == pytest.approx(3.0 + policy.priors[FULL] * policy.priors[LONG])
+
+
+def test_lookups_that_keep_little_never_make_a_long_round():
+    """Sampled decoding of an uncertain target: lookups keep a draft or so, never a whole block, so their long rounds
+    are never priced above the short ones, however cheap the wider pass."""
+    policy = VerifyPolicy(4, costs={"narrow": 1.0, "wide": 1.0, "tree": 1.0, "drafter": 0.5})
+    for _ in range(20):
+        plan = policy.plan([0], [[5, 6, 7, 5, 6, 7]], True, greedy=[False], trees=True, matches=[3])
+        assert plan.long is None
+        policy.observe([0], plan, [1], 1.0, 0.0)
 
 
 def test_a_tree_untangled_to_a_lookup_longer_than_a_block_verifies_it_whole_where_no_tree_is_left():
