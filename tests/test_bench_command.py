@@ -154,15 +154,18 @@ def test_bench_sampling_flags_are_checked_before_any_model_loads(tmp_path, capsy
 
 
 def test_ideal_bounds_charge_each_round_the_passes_it_ran():
-    """A round that verified the drafter's block pays t_T(B) + t_D(B) (sync) or t_T(B) (async), a lookup t_T(B), a
-    tree t_T(2B-1) + t_D(B) or t_T(2B-1), a round that verified nothing t_T(1); with the block every round these are
-    the paper's τ·t_T(1)/(t_T(B) + t_D(B)) and τ·t_T(1)/t_T(B)."""
+    """A round that verified the drafter's block pays t_T(B) + t_D(B) (sync) or t_T(B) (async), a lookup t_T(B) (a
+    long one, verified whole past a block's drafts, t_T(2B-1)), a tree t_T(2B-1) + t_D(B) or t_T(2B-1), a round that
+    verified nothing t_T(1); with the block every round these are the paper's τ·t_T(1)/(t_T(B) + t_D(B)) and
+    τ·t_T(1)/t_T(B)."""
     passes = {"t_target_1": 1.0, "t_target_b": 2.0, "t_target_tree": 3.0, "t_drafter_b": 1.0}
     every_round = MethodRun("fixed", new_tokens=40, rounds=10)  # transformers' loop: no record, the block each round
     assert ideal_bounds(every_round, passes) == (4.0 * 1 / 3, 4.0 * 1 / 2)
     mixed = MethodRun("policy", new_tokens=40, rounds=22,
                       verified=Counter({NOTHING: 10, BLOCK: 8, LOOKUP: 2, BOTH: 2}))
     assert ideal_bounds(mixed, passes) == (40 / (10 + 2 * 2 + 8 * 3 + 2 * 4), 40 / (10 + 10 * 2 + 2 * 3))
+    mixed.long_lookups = 1  # one of the two lookups was long
+    assert ideal_bounds(mixed, passes) == (40 / (10 + 2 + 3 + 8 * 3 + 2 * 4), 40 / (10 + 9 * 2 + 3 * 3))
 
 
 def test_the_sweeps_best_async_budget_runs_once_eager_when_it_is_the_default():

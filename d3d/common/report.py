@@ -131,8 +131,8 @@ def markdown(results: dict) -> str:
         "verify + exposed draft (with the drafter's prefill of a row, on its first block round) + overhead (host work, "
         "the target's prefill, `generate` setup), from the engine's round record "
         "(other methods: the total only, rounds counted by a streamer). Ideal sync: the tokens at t_T(1) each over "
-        "the passes the rounds ran, a round that verified the drafter's block t_T(B) + t_D(B), a lookup t_T(B), "
-        "both (a tree) t_T(2B-1) + t_D(B), nothing t_T(1) (the block every round: τ·t_T(1)/(t_T(B) + t_D(B))); "
+        "the passes the rounds ran, a round that verified the drafter's block t_T(B) + t_D(B), a lookup t_T(B) (one verified whole past "
+        "a block's drafts t_T(2B-1)), both (a tree) t_T(2B-1) + t_D(B), nothing t_T(1) (the block every round: τ·t_T(1)/(t_T(B) + t_D(B))); "
         "ideal async the same with drafting "
         f"hidden (τ·t_T(1)/t_T(B)); with the engine's passes over a {results.get('pass_prefix_length', 256)}-token "
         "prefix (reached: the speedup over the target alone through the engine in the same mode, over the bound):",
