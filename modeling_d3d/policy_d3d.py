@@ -7,14 +7,14 @@ verify one proposal each, `2B - 1` wide (`tree_width`) when any row verifies bot
 row verifies the drafter's block. Where trees are verified, a round as wide as a tree may instead verify lookups
 longer than a block whole (a *long* round, `RoundPlan.long`: causal, no tree in it; where the text repeats, a lookup
 that keeps all of a block's drafts often keeps more), priced by how often lookups of the same match length keep a
-whole block's drafts and what long ones then kept beyond them (`VerifyPolicy.expected_long_lookup`). `VerifyPolicy.plan` picks, before the round, the kind of round with the most
-expected tokens per second (`RoundPlan`): expected tokens from each row's acceptance so far (accepted drafts per
-round, for the drafter's blocks and for lookups, smoothed, each blended with the same pooled over rows: for blocks
-pooled per row age, `age_bucket` (the first rounds of an answer are a regime of their own: a drafter may keep little
-there and much later, or the reverse); for lookups pooled per match length, `match_bucket`, which predicts what a
-lookup keeps; for both, the better of the two plus what trees kept beyond the branch expected to keep more, pooled
-over rows), seconds from the rounds this engine has
-run (smoothed, per batch size; a cost not measured yet, or only by its first pass (a warm-up), is taken as the
+whole block's drafts and what long ones then kept beyond them (`VerifyPolicy.expected_long_lookup`).
+`VerifyPolicy.plan` picks, before the round, the kind of round with the most expected tokens per second
+(`RoundPlan`): expected tokens from each row's acceptance so far (accepted drafts per round, for the drafter's blocks
+and for lookups, smoothed, each blended with the same pooled over rows: for blocks pooled per row age, `age_bucket`
+(the first rounds of an answer are a regime of their own: a drafter may keep little there and much later, or the
+reverse); for lookups pooled per match length, `match_bucket`, which predicts what a lookup keeps; for both, the
+better of the two plus what trees kept beyond the branch expected to keep more, pooled over rows), seconds from the
+rounds this engine has run (smoothed, per batch size; a cost not measured yet, or only by its first pass (a warm-up), is taken as the
 cheapest it can be, so the round that measures it is tried). A row that has not verified the drafter's block for
 `probe_every` rounds verifies it again (its acceptance may have changed), and likewise a lookup it found, so an
 engine never stops learning.
