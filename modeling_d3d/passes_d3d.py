@@ -112,12 +112,14 @@ class PassLayoutBuilder:
         self.own_start[row][span] = [cache_column] * size
         self.own_end[row][span] = [cache_column + size] * size
 
-    def put_padding(self, row: int, column: int, count: int, cache_column: int) -> None:
-        """`count` unused input columns from `column`: written to scratch columns from `cache_column`, each seeing
-        only itself."""
+    def put_padding(self, row: int, column: int, count: int, cache_column: int, room: int) -> None:
+        """`count` unused input columns from `column`: written to the `room` scratch columns from `cache_column`, in
+        turn (a row padded for another row far behind has more padding than room; what padding writes and reads is
+        never used), each seeing only the column it writes."""
         span = self._span(column, count)
-        self.write_index[row][span] = self.own_start[row][span] = range(cache_column, cache_column + count)
-        self.own_end[row][span] = range(cache_column + 1, cache_column + count + 1)
+        columns = [cache_column + k % room for k in range(count)]
+        self.write_index[row][span] = self.own_start[row][span] = columns
+        self.own_end[row][span] = [c + 1 for c in columns]
 
     def _span(self, column: int, count: int) -> slice:
         if column < 0 or count < 0 or column + count > self.width:

@@ -56,15 +56,15 @@ def successor_causal_width(uncached: list[int], block_size: int, fixed: bool) ->
 
 
 def block_scratch_columns(block_size: int) -> int:
-    """Drafter cache columns a block pass uses beyond a row's context: its block (`B`) and its padding (at most the
-    fixed causal width `B`, `block_causal_width`)."""
+    """Drafter cache columns a block pass uses beyond a row's context: its block (`B`) and its padding (`B` columns,
+    the fixed causal width, `block_causal_width`; more padding, for another row far behind, writes them in turn)."""
     return 2 * block_size
 
 
 def successor_scratch_columns(block_size: int, max_blocks: int) -> int:
     """Drafter cache columns a successor pass uses beyond a row's context: its drafts (`B - 1`), `max_blocks` branch
-    blocks of `B`, and padding (at most the fixed causal width `2B`, `successor_causal_width`): `(max_blocks + 3) B`
-    covers them and a block pass's `block_scratch_columns`."""
+    blocks of `B`, and padding (`2B` columns, the fixed causal width, `successor_causal_width`; more padding writes
+    them in turn): `(max_blocks + 3) B` covers them and a block pass's `block_scratch_columns`."""
     return (max_blocks + 3) * block_size
 
 

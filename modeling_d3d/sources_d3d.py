@@ -134,7 +134,7 @@ def block_pass_layout(contexts: list[list[int]], committed: list[int], block_siz
         pad, anchor = causal_width - uncached[row], len(context) - 1
         layout.put_causal(row, pad, context[length:anchor], length)
         layout.put_block(row, causal_width, [context[-1]] + masks, anchor, anchor)
-        layout.put_padding(row, 0, pad, anchor + block_size)
+        layout.put_padding(row, 0, pad, anchor + block_size, block_size)  # the room after the block
     return layout.build()
 
 

@@ -92,7 +92,7 @@ def successor_layout(contexts: list[list[int]], committed: list[int], drafts: li
             token, j = row_anchors[min(k, len(row_anchors) - 1)]
             layout.put_block(row, causal_width + k * block_size, [token] + masks, len(context) + j,
                              scratch + k * block_size)
-        layout.put_padding(row, 0, pad, scratch + blocks * block_size)
+        layout.put_padding(row, 0, pad, scratch + blocks * block_size, 2 * block_size)  # the room after the blocks
     return layout.build(), blocks
 
 

@@ -150,6 +150,6 @@ def test_a_layout_refuses_a_span_outside_its_columns():
     with pytest.raises(RuntimeError, match="outside"):
         layout.put_block(1, 1, [1, 2, 3, 4], 5, 5)
     with pytest.raises(RuntimeError, match="outside"):
-        layout.put_padding(1, 3, 2, 9)
+        layout.put_padding(1, 3, 2, 9, 2)
     layout.put_causal(0, 1, [1, 2, 3], 0)
     assert layout.build().ids.tolist() == [[0, 1, 2, 3], [0, 0, 0, 0]]

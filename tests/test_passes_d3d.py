@@ -464,6 +464,34 @@ def test_rows_far_behind_catch_up_to_what_a_prefill_holds_and_rows_between_keep_
         assert torch.equal(layer[1, :, :22], old[1, :, :22]) and torch.equal(layer[4], old[4])
 
 
+@pytest.mark.parametrize("successor", [False, True])
+def test_a_row_padded_for_another_far_behind_writes_nothing_past_its_caches_end(successor):
+    """A batch whose rows skipped the drafter for different rounds (lookups, long ones up to `2B - 1` tokens a round):
+    on an eager or inductor engine the drafting pass reads each row's missed tokens in its causal part, as wide as the
+    row furthest behind, and pads the others; a row near the end of its cache padded for a row `8B` behind wrote past
+    the cache's last column (`plan` refused the pass on a CPU; on CUDA the write indexes out of the buffer). Padding
+    now writes its room of scratch columns in turn, and the pass drafts what it drafts for rows already caught up."""
+    from modeling_d3d.successor_d3d import SuccessorSource
+    from modeling_d3d.sources_d3d import BlockSource
+    from modeling_d3d.acceptance_d3d import RowSampling
+    _, drafter = pair(8)
+    max_length, generator = 40, torch.Generator().manual_seed(3)
+    contexts = [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in (max_length - 1, 36)]
+    sampling = [RowSampling() for _ in contexts]
+
+    def drafts(lags):
+        source = SuccessorSource(drafter, 2, 1) if successor else BlockSource(drafter)
+        try:
+            source.allocate(2, max_length + 1)
+            for slot, (context, lag) in enumerate(zip(contexts, lags)):
+                prefill(drafter, source.cache, slot, [context[: len(context) - 1 - lag]])
+            return source.propose(contexts, sampling).drafts
+        finally:
+            source.close()
+
+    torch.testing.assert_close(drafts([0, 8 * BLOCK]), drafts([0, 0]))
+
+
 def test_a_catch_up_beside_a_row_near_its_caches_end_writes_nothing_past_it():
     """Two rows caught up in one pass, one far behind, one a little behind at the end of its cache: the shorter part
     re-reads tokens before its start rather than pad past its row's end (which would lie past the cache's last column:
