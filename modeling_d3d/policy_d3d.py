@@ -262,7 +262,7 @@ class VerifyPolicy:
         `BOTH` row's block and lookup each matched) and what its passes cost (`verify_seconds`: the verify pass and
         the acceptance after it, which grows with the verified columns; `drafter_seconds`: the drafting the round
         waited for)."""
-        rows, rate = len(keys), self.smoothing
+        rows, rate, branch = len(keys), self.smoothing, self.block_size - 1
         self._measure(pass_kind(plan.width, self.block_size), rows, verify_seconds)
         if plan.drafter:
             self._measure("drafter", rows, drafter_seconds)
@@ -271,7 +271,6 @@ class VerifyPolicy:
                                                                           plan.matches or [None] * rows,
                                                                           plan.long or [False] * rows)):
             history = self.row(key)
-            branch = self.block_size - 1
             looked_up = accepted if choice == LOOKUP else both[1] if choice == BOTH and both is not None else None
             if looked_up is not None:  # whether the lookup kept a whole block's drafts
                 self._pool_match(self.full_priors, FULL, match, float(looked_up >= branch))

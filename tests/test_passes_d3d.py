@@ -10,13 +10,14 @@ import torch
 
 from conftest import left_pad, tiny_target
 from modeling_d3d import D3DForBlockDiffusion, RoundRecord, passes_d3d
+from modeling_d3d.acceptance_d3d import RowSampling
 from modeling_d3d.caches_d3d import StaticKVCache
 from modeling_d3d.generation_d3d import speculative_generate
 from modeling_d3d.passes_d3d import (PASS_KINDS, CompiledPasses, PassLayout, compiled_passes, prefill, prefill_groups,
                                      release_compiled_passes, run_pass)
 from modeling_d3d.shapes_d3d import COMPILE_LENGTH_BUCKET, DYNAMIC_LENGTH_BUCKET, attended_columns, engine_size
-from modeling_d3d.sources_d3d import catch_up
-from modeling_d3d.successor_d3d import successor_pass
+from modeling_d3d.sources_d3d import BlockSource, catch_up
+from modeling_d3d.successor_d3d import SuccessorSource, successor_pass
 from policies import EveryChoice
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -52,6 +53,15 @@ def decode(target, drafter, ids, mask, settings: dict, asynchronous: bool, recor
                            round_record=record, policy=policy, **settings)
 
 
+def fixed_passes(*models) -> dict:
+    """Each model's fixed-shape `CompiledPasses` (the CUDA-graph path), eager, kept on the model as the engine would
+    keep its own."""
+    held = {model: CompiledPasses(model, fixed=True, compile=False) for model in models}
+    for model, passes in held.items():
+        model.d3d_compiled_passes = passes
+    return held
+
+
 class ShapeLog:
     """Wraps each forward of `CompiledPasses` to record `(kind, ids shape, mask shape)` per call."""
 
@@ -85,9 +95,7 @@ def test_the_fixed_shape_path_eager_is_token_identical_and_its_shapes_change_onl
     verifies drafts, else B); each forward is called from one thread (the successor pass from the drafter's worker,
     the others from the caller); the second call of the same buckets reuses the same caches."""
     target, drafter = pair()
-    held = {model: CompiledPasses(model, fixed=True, compile=False) for model in (target, drafter)}
-    for model, passes in held.items():
-        model.d3d_compiled_passes = passes
+    held = fixed_passes(target, drafter)
     kinds = ["verify", "block"] + (["successor"] if asynchronous else [])
     try:
         log = ShapeLog().watch(held[target], "verify").watch(held[drafter], "block", "successor")
@@ -226,9 +234,7 @@ def test_the_fixed_shape_path_verifies_long_lookups_in_the_trees_shape(asynchron
     the policy's three widths only (1, B, 2B - 1), and the block pass one shape (rows more than `B` behind after a
     long round are brought up first, `sources_d3d.catch_up`)."""
     target, drafter = pair(5)
-    held = {model: CompiledPasses(model, fixed=True, compile=False) for model in (target, drafter)}
-    for model, passes in held.items():
-        model.d3d_compiled_passes = passes
+    held = fixed_passes(target, drafter)
     try:
         log = ShapeLog().watch(held[target], "verify").watch(held[drafter], "block")
         ids, mask = prompts([10, 6], 7)
@@ -282,9 +288,7 @@ def test_the_bounds_fixed_shape_passes_have_the_engines_shapes():
     from d3d.benchmark.forward_cost import engine_pass_seconds
 
     target, drafter = pair(3)
-    held = {model: CompiledPasses(model, fixed=True, compile=False) for model in (target, drafter)}
-    for model, passes in held.items():
-        model.d3d_compiled_passes = passes
+    held = fixed_passes(target, drafter)
     try:
         log = ShapeLog().watch(held[target], "verify").watch(held[drafter], "block")
         # a prefix near the end of a 256-column bucket: every pass is sized from one engine, not by its own width
@@ -318,9 +322,7 @@ def test_calls_in_and_out_of_inference_mode_stay_lossless_with_pooled_caches(asy
     it can be updated in place only under it), and a pooled cache made under it is not handed to a later call
     outside it (nor the other way round). The fixed-shape path, forced eagerly, pools every cache."""
     target, drafter = pair(4)
-    held = {model: CompiledPasses(model, fixed=True, compile=False) for model in (target, drafter)}
-    for model, passes in held.items():
-        model.d3d_compiled_passes = passes
+    held = fixed_passes(target, drafter)
     try:
         ids, mask = prompts([6, 3], 9)
         expected = target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
@@ -471,9 +473,6 @@ def test_a_row_padded_for_another_far_behind_writes_nothing_past_its_caches_end(
     row furthest behind, and pads the others; a row near the end of its cache padded for a row `8B` behind wrote past
     the cache's last column (`plan` refused the pass on a CPU; on CUDA the write indexes out of the buffer). Padding
     now writes its room of scratch columns in turn, and the pass drafts what it drafts for rows already caught up."""
-    from modeling_d3d.successor_d3d import SuccessorSource
-    from modeling_d3d.sources_d3d import BlockSource
-    from modeling_d3d.acceptance_d3d import RowSampling
     _, drafter = pair(8)
     max_length, generator = 40, torch.Generator().manual_seed(3)
     contexts = [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in (max_length - 1, 36)]
