@@ -98,7 +98,8 @@ class RoundOutcome:
     """What one round did to one row: the tokens it added, how many of them were accepted drafts (the rest is the
     target's own token), whether they came from a prepared branch, whether the row finished, or the error that ended
     it; verified: what the row verified (`policy_d3d`: nothing, the drafter's block, a lookup, or both); long: its
-    lookup was verified whole, past a block's drafts (`RoundPlan.long`); branch: of both, the one whose drafts it
+    lookup was verified whole, past a block's drafts (`RoundPlan.long`); short: only its lookup's first drafts were,
+    in a pass narrower than a block (`VerifyPolicy.short_width`); branch: of both, the one whose drafts it
     kept (`BLOCK` or `LOOKUP`), and what each matched (`branches`)."""
 
     key: Hashable
@@ -109,6 +110,7 @@ class RoundOutcome:
     error: BaseException | None = None
     verified: str = BLOCK
     long: bool = False
+    short: bool = False
     branch: str | None = None
     branches: tuple[int, int] | None = None
 
@@ -137,7 +139,7 @@ class RoundRecord:
     rounds: engine rounds; row_rounds: rounds summed over rows; new_tokens; accepted[n]: row rounds that added n
     tokens; verified[kind]: row rounds that verified nothing, the drafter's block, a lookup or both (`policy_d3d`);
     long_lookups: of the lookups, those verified whole past a block's drafts (`RoundPlan.long`, a pass of a tree's
-    width);
+    width); short_lookups: of the lookups, those of which only the first drafts were verified (a short round);
     lookups / branch_hits: rows that searched prepared branches / were served by one; seconds: verify,
     exposed and hidden drafting, host, and prefill; compilations: graphs PyTorch compiled during the rounds (the
     delta of `torch._dynamo.utils.counters["stats"]["unique_graphs"]`, process-wide: another thread's compiles
@@ -150,6 +152,7 @@ class RoundRecord:
     accepted: Counter = field(default_factory=Counter)
     verified: Counter = field(default_factory=Counter)
     long_lookups: int = 0
+    short_lookups: int = 0
     lookups: int = 0
     branch_hits: int = 0
     verify_seconds: float = 0.0
@@ -172,6 +175,7 @@ class RoundRecord:
                 self.accepted[len(outcome.added)] += 1
                 self.verified[outcome.verified] += 1
                 self.long_lookups += outcome.long
+                self.short_lookups += outcome.short
                 self.branch_hits += outcome.from_branch
         self.lookups += looked_up
         self.verify_seconds += timing.verify
@@ -475,6 +479,7 @@ class SpeculativeEngine:
         # 4. process: each row's logits processors over the target's logits it verifies (a row whose processors
         # fail leaves)
         width = logits.shape[1]  # a row verifies 1 column, or a block's, or (a long lookup) all of them
+        short = 1 < width < self.width  # a short round: lookups' first drafts
         logits = self._process(logits, drafts, failed, [1 if c == NOTHING else width if long and long[r]
                                                         else min(width, self.width) for r, c in enumerate(choices)])
         # 5. accept: greedy matching, rejection sampling for sampled rows; then the round's one device-to-host read
@@ -524,7 +529,8 @@ class SpeculativeEngine:
             outcomes.append(RoundOutcome(
                 row.key, added, finished, accepted_drafts=min(host[r][0], len(added)),
                 from_branch=proposal is not None and proposal.hits[r] and branch != LOOKUP, verified=choices[r],
-                long=bool(long and long[r]), branch=branch, branches=tuple(branches) if branches else None))
+                long=bool(long and long[r]), short=short and choices[r] == LOOKUP, branch=branch,
+                branches=tuple(branches) if branches else None))
         return outcomes
 
     def _better_branch(self, proposal: Proposal, second: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor,

@@ -2,8 +2,10 @@
 lookup continuation (`lookup_d3d`), or both (a two-branch tree: the block and the lookup continuation each follow the
 anchor, and the row keeps the branch that keeps more; greedy rows only).
 
-A round's cost is shared by its rows: one target pass, 1 column wide when no row verifies drafts, `B` wide when rows
-verify one proposal each, `2B - 1` wide (`tree_width`) when any row verifies both, plus one drafter pass when any
+A round's cost is shared by its rows: one target pass, 1 column wide when no row verifies drafts, `short_drafts + 1`
+wide when rows verify only the first few drafts of their lookups (a *short* round: where lookups keep little, as when
+sampling, a few free drafts in a pass little dearer than a plain step pay where a block's width does not), `B` wide when
+rows verify one proposal each, `2B - 1` wide (`tree_width`) when any row verifies both, plus one drafter pass when any
 row verifies the drafter's block. Where trees are verified, a round as wide as a tree may instead verify lookups
 longer than a block whole (a *long* round, `RoundPlan.long`: causal, no tree in it; where the text repeats, a lookup
 that keeps all of a block's drafts often keeps more), priced by how often lookups of the same match length keep a
@@ -36,8 +38,9 @@ from .sources_d3d import Proposal
 
 NOTHING, BLOCK, LOOKUP, BOTH = "nothing", "block", "lookup", "both"
 # the pools of lookups that kept every one of a block's drafts, and of what long ones then kept beyond them
-# (`VerifyPolicy.expected_long_lookup`)
-FULL, LONG = "full", "long"
+# (`VerifyPolicy.expected_long_lookup`); of what lookups kept of their first `short_drafts` (`expected_short_lookup`)
+FULL, LONG, SHORT = "full", "long", "short"
+SHORT_DRAFTS = 3  # the drafts a short lookup round verifies (`VerifyPolicy.short_drafts`; docs/results.md, 2026-12-07)
 OUTLIER = 2.0  # a measured pass above this many times its estimate is counted as this many (see `_measure`)
 WARM_UP_PASSES = 1  # the first passes of a kind at a batch size, whose one-time costs are not its cost (`_measure`)
 AGE_POOL_ROWS = 4  # a young age bucket's pooled block estimate follows about this many latest rows (`age_smoothing`)
@@ -47,8 +50,9 @@ OLDEST_AGE = 5  # the open-ended age bucket: rows of 2 ** (OLDEST_AGE - 1) round
 @dataclass
 class RoundPlan:
     """What one round verifies: `choices[r]` per row (`NOTHING`, `BLOCK`, `LOOKUP`, `BOTH`); `drafter`: whether the
-    drafter's pass runs; `width`: the verify pass's columns (1; `B` when any row verifies drafts; `tree_width(B)`
-    when any row verifies both, or a long lookup); `alone[r]`: the one proposal (`BLOCK` or `LOOKUP`) row `r` would
+    drafter's pass runs; `width`: the verify pass's columns (1; `B` when any row verifies drafts; a short round's
+    `VerifyPolicy.short_width()` when rows verify only their lookups' first drafts; `tree_width(B)` when any row
+    verifies both, or a long lookup); `alone[r]`: the one proposal (`BLOCK` or `LOOKUP`) row `r` would
     have verified without a tree, what `observe` measures a tree's gain against; `matches[r]`: its lookup's match
     (`lookup_d3d`), whose bucket learns what the lookup kept (None: not recorded); `long[r]`: whether `LOOKUP` row
     `r` verifies its whole continuation, up to `tree_width(B) - 1` drafts, in a causal pass of the tree's width
@@ -64,11 +68,13 @@ class RoundPlan:
 
 @dataclass
 class RowHistory:
-    """One row's smoothed accepted drafts per round when it verified the drafter's block and a lookup, the rounds
-    since it last verified each, and the rounds it has taken part in (its age, `age_bucket`)."""
+    """One row's smoothed accepted drafts per round when it verified the drafter's block, a lookup, and of a lookup's
+    first `short_drafts` (learnt from every lookup it verified), the rounds since it last verified the block and a
+    whole lookup, and the rounds it has taken part in (its age, `age_bucket`)."""
 
     block: float
     lookup: float
+    short: float
     since_block: int = 0
     since_lookup: int = 0
     rounds: int = 0
@@ -76,11 +82,14 @@ class RowHistory:
 
 @dataclass
 class VerifyPolicy:
-    """Maximises expected tokens per second (see the module docstring). block_size: the verify width `B`; smoothing:
+    """Maximises expected tokens per second (see the module docstring). block_size: the verify width `B`;
+    short_drafts: the drafts a short round verifies of each lookup (`SHORT_DRAFTS`; no short round where they would
+    fill a block); smoothing:
     the weight of the newest observation in every average; probe_every: rounds a row may go without verifying the
     drafter's block, or a lookup it found (each doubled after a probe of its kind that kept nothing, up to 8x, and
     reset by one that kept a draft: `interval`, `lookup_interval`);
-    costs: seconds per kind of pass (`"narrow"`, `"wide"`, `"tree"`, `"drafter"`) to use instead of measured ones (then
+    costs: seconds per kind of pass (`"narrow"`, `"short"`, `"wide"`, `"tree"`, `"drafter"`; a short pass not given
+    costs a wide one, a tree not given a wide one) to use instead of measured ones (then
     decisions do not depend on timing: reproducible rounds); pooling: the weight of the drafter's pooled acceptance
     (`priors`: the mean over every row and round, its start counted as one round, moving by at least
     `pool_smoothing` a round once many were seen; `block_priors[age_bucket(rounds)]` at the row's age) in a row's
@@ -88,10 +97,11 @@ class VerifyPolicy:
     text does not make a good drafter worth skipping; `priors[BOTH]`: the drafts a tree kept beyond the branch
     expected to keep more, pooled the same way),
     and of the lookup's pooled acceptance at the lookup's match length (`lookup_priors[match_bucket(match)]`) in its
-    expected drafts from a lookup. What
+    expected drafts from a lookup (and from its first `short_drafts`, `short_priors`). What
     it learns (costs; `priors`, where new rows start) carries over from call to call when it is kept (`policy_for`)."""
 
     block_size: int
+    short_drafts: int = SHORT_DRAFTS
     smoothing: float = 0.25
     probe_every: int = 16
     costs: dict[str, float] | None = None
@@ -106,6 +116,7 @@ class VerifyPolicy:
     lookup_priors: dict[int, float] = field(default_factory=dict)
     full_priors: dict[int | None, float] = field(default_factory=dict)
     long_priors: dict[int | None, float] = field(default_factory=dict)
+    short_priors: dict[int | None, float] = field(default_factory=dict)
     interval: int = 0
     lookup_interval: int = 0
 
@@ -115,30 +126,36 @@ class VerifyPolicy:
         if not 0 <= self.pooling <= 1 or not 0 < self.pool_smoothing <= 1:
             raise ValueError(f"pooling must be in [0, 1] and pool_smoothing in (0, 1], got {self.pooling!r}, "
                              f"{self.pool_smoothing!r}")
+        if isinstance(self.short_drafts, bool) or not isinstance(self.short_drafts, int) or self.short_drafts < 0:
+            raise ValueError(f"short_drafts must be an integer >= 0, got {self.short_drafts!r}")
         if isinstance(self.probe_every, bool) or not isinstance(self.probe_every, int) or self.probe_every < 1:
             raise ValueError(f"probe_every must be an integer >= 1, got {self.probe_every!r}")
         half = (self.block_size - 1) / 2
-        self.priors = self.priors or {BLOCK: half, LOOKUP: half, BOTH: 1.0, FULL: 0.0, LONG: half}
+        self.priors = self.priors or {BLOCK: half, LOOKUP: half, BOTH: 1.0, FULL: 0.0, LONG: half,
+                                      SHORT: min(half, self.short_drafts)}
         self.interval = self.interval or self.probe_every
         self.lookup_interval = self.lookup_interval or self.probe_every
 
     def cost(self, kind: str, rows: int) -> float:
-        """Seconds of a pass of `kind` over `rows` rows: given, measured, or (not measured yet) the cheapest it can
-        be: a narrow pass and a drafter pass free, a wide pass as a narrow one, a tree as a wide one. So the first
+        """Seconds of a pass of `kind` over `rows` rows: given, measured, or (not measured yet) the cheapest it can be:
+        a narrow pass and a drafter pass free, a short or wide pass as a narrow one, a tree as a wide one. So the first
         round at a batch size is a plain step, which measures the narrow pass (were it priced as a wide one, a
         drafter that keeps a few tokens would win every round and the narrow pass never be measured, however dear
         wide rounds are: at 16 rows on a CPU they cost 4-5 narrow ones). A kind's first pass at a batch size is a
         warm-up (`_measure`): until its second, the kind counts as not measured. A narrow pass never counts as
-        dearer than a wide one: a slow narrow round (a pause of the process) would otherwise make every round
-        draft."""
+        dearer than a short or wide one, nor a short one than a wide one: a slow narrow round (a pause of the
+        process) would otherwise make every round draft."""
         if self.costs is not None:
-            if kind == "tree" and "tree" not in self.costs:  # not given: a tree as a wide pass, as when not measured
-                return self.costs["wide"]
+            if kind in ("tree", "short") and kind not in self.costs:  # not given: a wide pass (a tree: as when not
+                return self.costs["wide"]  # measured; a short one: never chosen over a wide lookup)
             return self.costs[kind]
-        if kind == "narrow":
-            if not self._known("narrow", rows):
-                return 0.0
-            return min(self.measured[(k, rows)] for k in ("narrow", "wide") if self._known(k, rows))
+        if kind in ("narrow", "short"):
+            if not self._known(kind, rows):
+                if kind == "narrow":
+                    return 0.0
+                return self.measured[("narrow", rows)] if self._known("narrow", rows) else 1.0
+            wider = ("narrow", "short", "wide")[("narrow", "short").index(kind):]
+            return min(self.measured[(k, rows)] for k in wider if self._known(k, rows))
         if self._known(kind, rows):
             return self.measured[(kind, rows)]
         if kind == "wide":
@@ -155,7 +172,8 @@ class VerifyPolicy:
         """`key`'s history; a new row starts from the priors of a row's first round (at first optimistic: half a
         block accepted)."""
         if key not in self.history:
-            self.history[key] = RowHistory(block=self.block_prior(0), lookup=self.priors[LOOKUP])
+            self.history[key] = RowHistory(block=self.block_prior(0), lookup=self.priors[LOOKUP],
+                                           short=self.priors[SHORT])
         return self.history[key]
 
     def expected_block(self, history: RowHistory) -> float:
@@ -181,6 +199,22 @@ class VerifyPolicy:
         """The pooled drafts kept by lookups whose match is in `bucket` (`match_bucket`); a bucket not seen yet starts
         at the pool over every lookup."""
         return self.lookup_priors.get(bucket, self.priors[LOOKUP])
+
+    def short_width(self) -> int | None:
+        """Columns of a short round's verify pass (`short_drafts` and the anchor); None: no short round (none
+        asked for, or it would be as wide as a block)."""
+        width = self.short_drafts + 1
+        return width if 1 < width < self.block_size else None
+
+    def expected_short_lookup(self, history: RowHistory, found: list[int], match: int | None) -> float:
+        """The drafts a row with `history` is expected to keep of the first `short_drafts` of its lookup continuation
+        `found` (0 when none): as `expected_lookup`, from what lookups kept of their first `short_drafts`
+        (`history.short`, `short_priors`)."""
+        if not found:
+            return 0.0
+        bucket = None if match is None else match_bucket(match)
+        pooled = self.short_priors.get(bucket, self.priors[SHORT])
+        return min((1 - self.pooling) * history.short + self.pooling * pooled, len(found), self.short_drafts)
 
     def expected_long_lookup(self, short: float, found: list[int], match: int | None) -> float:
         """The drafts a row expected to keep `short` of its lookup's first `B - 1` drafts is expected to keep of the
@@ -211,50 +245,58 @@ class VerifyPolicy:
         long = [trees and len(found) > branch for found in lookups]
         long_gain = [self.expected_long_lookup(gain, found, match) if is_long else gain
                      for gain, found, match, is_long in zip(lookup_gain, lookups, matches, long)]
-        # options: (tokens per second, order: the higher wins a tie, a long round loses one to its short one; choices;
-        # long rows); from order 1.5 on, the rounds with the drafter
-        options = [(rate(rows, narrow), 0, [NOTHING] * rows, None)]
+        # options: (tokens per second, order: the higher wins a tie, a long or short lookup round loses one to a
+        # lookup round of a block; choices; long rows; short); from order 1.5 on, the rounds with the drafter
+        options = [(rate(rows, narrow), 0, [NOTHING] * rows, None, False)]
         alone = None
         if any(lookups):
             looked = [LOOKUP if found else NOTHING for found in lookups]
-            options.append((rate(rows + sum(lookup_gain), wide), 1, looked, None))
+            options.append((rate(rows + sum(lookup_gain), wide), 1, looked, None, False))
             if any(long):
-                options.append((rate(rows + sum(long_gain), tree), 0.5, looked, long))
+                options.append((rate(rows + sum(long_gain), tree), 0.5, looked, long, False))
+            if self.short_width() is not None:  # each lookup's first few drafts, in a pass little wider than a step
+                short_gain = [min(self.expected_short_lookup(h, found, match), gain)  # at most the whole lookup's
+                              for h, found, match, gain in zip(history, lookups, matches, lookup_gain)]
+                options.append((rate(rows + sum(short_gain), self.cost("short", rows)), 0.75, looked, None, True))
         if drafter:
             gains = [max(b, g) for b, g in zip(block_gain, lookup_gain)]
             choices = alone = [LOOKUP if g > b else BLOCK for b, g in zip(block_gain, lookup_gain)]
             drafting = self.cost("drafter", rows) if BLOCK in choices else 0.0
-            options.append((rate(rows + sum(gains), wide + drafting), 2, choices, None))
+            options.append((rate(rows + sum(gains), wide + drafting), 2, choices, None, False))
             if any(long):  # each row the better of its block and its whole lookup, in a long round
                 choices = [LOOKUP if g > b else BLOCK for b, g in zip(block_gain, long_gain)]
                 drafting = self.cost("drafter", rows) if BLOCK in choices else 0.0
                 options.append((rate(rows + sum(map(max, block_gain, long_gain)), tree + drafting), 1.5, choices,
-                                long))
+                                long, False))
             branched = [trees and bool(found) and g for found, g in zip(lookups, greedy or [False] * rows)]
             if any(branched):  # a tree for every greedy row with a lookup: the better branch, and a bit more
                 tree_gains = [gain + self.priors[BOTH] if b else gain for gain, b in zip(gains, branched)]
                 options.append((rate(rows + sum(tree_gains), tree + self.cost("drafter", rows)), 3,
-                                [BOTH if b else choice for b, choice in zip(branched, alone)], None))
+                                [BOTH if b else choice for b, choice in zip(branched, alone)], None, False))
             probes = [h.since_block >= self.interval for h in history]
             if any(probes):  # the best round that drafts, with every probing row verifying the drafter's block
-                _, _, best, best_long = max((option for option in options if option[1] >= 1.5),
-                                            key=lambda option: option[:2])
+                _, _, best, best_long, _ = max((option for option in options if option[1] >= 1.5),
+                                               key=lambda option: option[:2])
                 options = [(0.0, 4, [BLOCK if probe and choice != BOTH else choice
-                                     for probe, choice in zip(probes, best)], best_long)]
-        _, _, choices, long_rows = max(options, key=lambda option: option[:2])
-        # a row that found a continuation but has not verified one for `lookup_interval` rounds verifies it (its
-        # estimate, learnt only from verified lookups, would otherwise never come back up)
-        choices = [LOOKUP if found and choice == NOTHING and h.since_lookup >= self.lookup_interval else choice
+                                     for probe, choice in zip(probes, best)], best_long, False)]
+        _, _, choices, long_rows, short = max(options, key=lambda option: option[:2])
+        # a row that found a continuation but has not verified one (more than its first few drafts) for
+        # `lookup_interval` rounds verifies it (its estimate, learnt only from verified lookups, would otherwise never
+        # come back up), in a round of a block's width
+        probing = [bool(found) and h.since_lookup >= self.lookup_interval and (choice == NOTHING or short)
                    for choice, found, h in zip(choices, lookups, history)]
-        return self.round_of(choices, alone, matches, long_rows)
+        choices = [LOOKUP if probe else choice for choice, probe in zip(choices, probing)]
+        return self.round_of(choices, alone, matches, long_rows, short and not any(probing))
 
     def round_of(self, choices: list[str], alone: list[str] | None = None, matches: list[int] | None = None,
-                 long: list[bool] | None = None) -> RoundPlan:
+                 long: list[bool] | None = None, short: bool = False) -> RoundPlan:
         """The `RoundPlan` of per-row `choices` (and `alone`, `matches`, `long`: `RoundPlan`'s; `long` kept for the
-        `LOOKUP` rows of a round where no row verifies both): its drafter pass and verify width."""
+        `LOOKUP` rows of a round where no row verifies both; `short`: lookups verify their first `short_drafts`, in a
+        round where no row verifies the drafter's block): its drafter pass and verify width."""
         long = kept_long(choices, long)
         return RoundPlan(choices, BLOCK in choices or BOTH in choices,
-                         verify_width(choices, self.block_size, long is not None), alone, matches, long)
+                         verify_width(choices, self.block_size, long is not None,
+                                      self.short_width() if short else None), alone, matches, long)
 
     def observe(self, keys: list, plan: RoundPlan, accepted_drafts: list[int], verify_seconds: float,
                 drafter_seconds: float, branches: list[tuple[int, int] | None] | None = None) -> None:
@@ -262,8 +304,9 @@ class VerifyPolicy:
         `BOTH` row's block and lookup each matched) and what its passes cost (`verify_seconds`: the verify pass and
         the acceptance after it, which grows with the verified columns; `drafter_seconds`: the drafting the round
         waited for)."""
-        rows, rate, branch = len(keys), self.smoothing, self.block_size - 1
-        self._measure(pass_kind(plan.width, self.block_size), rows, verify_seconds)
+        rows, rate, branch, short = len(keys), self.smoothing, self.block_size - 1, self.short_width()
+        kind = pass_kind(plan.width, self.block_size, short)
+        self._measure(kind, rows, verify_seconds)
         if plan.drafter:
             self._measure("drafter", rows, drafter_seconds)
         for r, (key, choice, accepted, both, match, long) in enumerate(zip(keys, plan.choices, accepted_drafts,
@@ -272,6 +315,14 @@ class VerifyPolicy:
                                                                           plan.long or [False] * rows)):
             history = self.row(key)
             looked_up = accepted if choice == LOOKUP else both[1] if choice == BOTH and both is not None else None
+            if looked_up is not None and short is not None:  # what the lookup kept of its first `short_drafts`
+                kept = min(looked_up, self.short_drafts)
+                history.short += rate * (kept - history.short)
+                self._pool_match(self.short_priors, SHORT, match, kept)
+            if looked_up is not None and kind == "short":  # a short lookup says nothing of the drafts after them
+                history.since_block += 1
+                history.since_lookup += 1
+                continue
             if looked_up is not None:  # whether the lookup kept a whole block's drafts
                 self._pool_match(self.full_priors, FULL, match, float(looked_up >= branch))
             if long:  # a long lookup: its first `B - 1` drafts learn as a lookup's, the pool what it kept beyond them
@@ -379,18 +430,24 @@ def match_bucket(match: int) -> int:
     return match.bit_length()
 
 
-def verify_width(choices: list[str], block_size: int, long: bool = False) -> int:
-    """Columns of the verify pass of a round whose rows verify `choices`: 1 when no row verifies drafts, `B` when
+def verify_width(choices: list[str], block_size: int, long: bool = False, short: int | None = None) -> int:
+    """Columns of the verify pass of a round whose rows verify `choices`: 1 when no row verifies drafts, `short`
+    (`VerifyPolicy.short_width`; None: no short round) when rows verify only their lookups' first drafts, `B` when
     each verifies one proposal, `tree_width(B)` when any verifies both or (`long`) a lookup longer than a block."""
     if BOTH in choices or long:
         return tree_width(block_size)
+    if short is not None and BLOCK not in choices and LOOKUP in choices:
+        return short
     return block_size if any(choice != NOTHING for choice in choices) else 1
 
 
-def pass_kind(width: int, block_size: int) -> str:
-    """The kind of verify pass (`VerifyPolicy.cost`'s) of `width` columns: `"narrow"` (1), `"wide"` (`B`) or `"tree"`
-    (`tree_width(B)`), the widths `verify_width` gives."""
+def pass_kind(width: int, block_size: int, short: int | None = None) -> str:
+    """The kind of verify pass (`VerifyPolicy.cost`'s) of `width` columns: `"narrow"` (1), `"short"` (`short`, a
+    short round's width; None: none), `"wide"` (`B`) or `"tree"` (`tree_width(B)`), the widths `verify_width`
+    gives."""
     kinds = {1: "narrow", block_size: "wide", tree_width(block_size): "tree"}
+    if short is not None:
+        kinds[short] = "short"
     if width not in kinds:
         raise RuntimeError(f"A verify pass of {width} columns is none of the policy's widths {sorted(kinds)}")
     return kinds[width]
@@ -470,12 +527,13 @@ def apply_plan(plan: RoundPlan, proposal: Proposal | None, lookups: list[list[in
                sampled: bool, device: torch.device, block_size: int) -> tuple[RoundPlan, Proposal | None]:
     """The round's proposal as `plan` says: the drafter's `proposal` (None: it did not run) with each `LOOKUP` row's
     drafts replaced by its lookup continuation (q one-hot; its first `B - 1` drafts, all of them in a long round,
-    `RoundPlan.long`), each `NOTHING` row's drafts dropped, and each `BOTH` row's continuation as the second branch
-    (`Proposal.second`), unless one branch's drafts begin with the other's: then the row verifies only the longer (a
-    second branch could keep nothing more). Returns the plan as applied (`B` wide when no tree or long lookup is
-    left) and the proposal, None when the round verifies no drafts (a 1-column pass); a long round's drafts (and q)
-    are `tree_width(B) - 1` columns, zeros past a row's own. sampled: whether any row samples (then q is kept for
-    every row); block_size: `B`, the verify width of one proposal."""
+    `RoundPlan.long`, as many as a short round's pass holds in a short one), each `NOTHING` row's drafts dropped, and
+    each `BOTH` row's continuation as the second branch (`Proposal.second`), unless one branch's drafts begin with the
+    other's: then the row verifies only the longer (a second branch could keep nothing more). Returns the plan as
+    applied (`B` wide when no tree or long lookup is left) and the proposal, None when the round verifies no drafts (a
+    1-column pass); a round's drafts (and q) are its pass's width less the anchor (a tree's: `B - 1`), zeros past a
+    row's own. sampled: whether any row samples (then q is kept for every row); block_size: `B`, the verify width of one
+    proposal."""
     if BOTH in plan.choices:
         plan = untangled(plan, proposal, lookups, block_size)
     if plan.width == 1:
@@ -483,11 +541,11 @@ def apply_plan(plan: RoundPlan, proposal: Proposal | None, lookups: list[list[in
     if proposal is not None and all(choice == BLOCK for choice in plan.choices):
         return plan, proposal
     rows, branch = len(plan.choices), block_size - 1  # the drafts of a branch
-    width = plan.width - 1 if plan.long is not None else branch
+    width = branch if BOTH in plan.choices else plan.width - 1  # the drafts' columns
     if proposal is None:
-        proposal = Proposal(torch.zeros(rows, branch, dtype=torch.long, device=device),
+        proposal = Proposal(torch.zeros(rows, width, dtype=torch.long, device=device),
                             torch.zeros(rows, dtype=torch.long, device=device),
-                            torch.zeros(rows, branch, vocab_size, device=device) if sampled else None,
+                            torch.zeros(rows, width, vocab_size, device=device) if sampled else None,
                             [False] * rows, [False] * rows)
     padding = width - proposal.drafts.shape[1]
     drafts = torch.nn.functional.pad(proposal.drafts, (0, padding))
@@ -501,7 +559,7 @@ def apply_plan(plan: RoundPlan, proposal: Proposal | None, lookups: list[list[in
         if choice == NOTHING:
             num_drafts[r] = 0
         elif choice in (LOOKUP, BOTH):
-            found = found[: width if plan.long is not None and plan.long[r] else branch]
+            found = found[: width if plan.long is not None and plan.long[r] else min(width, branch)]
             tokens = torch.tensor(found + [0] * (width - len(found)))
             if choice == BOTH:
                 second[r], num_second[r] = tokens[:branch], len(found)
@@ -544,5 +602,5 @@ def kept_long(choices: list[str], long: list[bool] | None) -> list[bool] | None:
 
 
 __all__ = ["BLOCK", "BOTH", "DEFAULT_BLOCK_SIZE", "FULL", "LONG", "LOOKUP", "NOTHING", "RoundPlan", "RowHistory",
-           "VerifyPolicy", "age_bucket", "apply_plan", "check_policy_width", "kept_long", "make_chooser", "match_bucket",
-           "pass_kind", "policy_for", "tree_width", "untangled", "verify_width"]
+           "SHORT", "SHORT_DRAFTS", "VerifyPolicy", "age_bucket", "apply_plan", "check_policy_width", "kept_long",
+           "make_chooser", "match_bucket", "pass_kind", "policy_for", "tree_width", "untangled", "verify_width"]

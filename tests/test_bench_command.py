@@ -39,7 +39,8 @@ def test_bench_command_writes_table_json_and_plot(tmp_path, capsys):
     assert methods["target generate"]["speedup_vs_generate"] == 1.0
     assert max(m["speedup"] for m in methods.values() if m["method"].startswith("target")) == 1.0
     assert results["hardware"] and results["dtype"] == "float32 (--dtype)" and results["modes"] == ["eager"]
-    assert set(results["passes"]["eager"]) >= {"t_target_1", "t_target_b", "t_target_tree", "t_drafter_b"}
+    assert set(results["passes"]["eager"]) >= {"t_target_1", "t_target_b", "t_target_tree", "t_target_short",
+                                               "t_drafter_b"}
     assert sum(methods["D3D sync"]["verified"].values()) == methods["D3D sync"]["rounds"]  # what each round verified
     for m in methods.values():
         assert all(key in m for key in (*ROUND_SPLIT, "ideal_sync_speedup", "ideal_async_speedup"))
@@ -154,10 +155,10 @@ def test_bench_sampling_flags_are_checked_before_any_model_loads(tmp_path, capsy
 
 
 def test_ideal_bounds_charge_each_round_the_passes_it_ran():
-    """A round that verified the drafter's block pays t_T(B) + t_D(B) (sync) or t_T(B) (async), a lookup t_T(B) (a
-    long one, verified whole past a block's drafts, t_T(2B-1)), a tree t_T(2B-1) + t_D(B) or t_T(2B-1), a round that
-    verified nothing t_T(1); with the block every round these are the paper's τ·t_T(1)/(t_T(B) + t_D(B)) and
-    τ·t_T(1)/t_T(B)."""
+    """A round that verified the drafter's block pays t_T(B) + t_D(B) (sync) or t_T(B) (async), a lookup t_T(B) (a long
+    one, verified whole past a block's drafts, t_T(2B-1); a short one, its first drafts, a short round's pass), a tree
+    t_T(2B-1) + t_D(B) or t_T(2B-1), a round that verified nothing t_T(1); with the block every round these are the
+    paper's τ·t_T(1)/(t_T(B) + t_D(B)) and τ·t_T(1)/t_T(B)."""
     passes = {"t_target_1": 1.0, "t_target_b": 2.0, "t_target_tree": 3.0, "t_drafter_b": 1.0}
     every_round = MethodRun("fixed", new_tokens=40, rounds=10)  # transformers' loop: no record, the block each round
     assert ideal_bounds(every_round, passes) == (4.0 * 1 / 3, 4.0 * 1 / 2)
@@ -166,6 +167,8 @@ def test_ideal_bounds_charge_each_round_the_passes_it_ran():
     assert ideal_bounds(mixed, passes) == (40 / (10 + 2 * 2 + 8 * 3 + 2 * 4), 40 / (10 + 10 * 2 + 2 * 3))
     mixed.long_lookups = 1  # one of the two lookups was long
     assert ideal_bounds(mixed, passes) == (40 / (10 + 2 + 3 + 8 * 3 + 2 * 4), 40 / (10 + 9 * 2 + 3 * 3))
+    mixed.short_lookups, passes["t_target_short"] = 1, 1.5  # the other short: its first drafts only
+    assert ideal_bounds(mixed, passes) == (40 / (10 + 1.5 + 3 + 8 * 3 + 2 * 4), 40 / (10 + 1.5 + 8 * 2 + 3 * 3))
 
 
 def test_the_sweeps_best_async_budget_runs_once_eager_when_it_is_the_default():

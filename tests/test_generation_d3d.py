@@ -80,7 +80,7 @@ ENGINE_PATHS = {  # policy=False: the drafter's block every round (the default p
                                   "assistant-generator"])
 def test_greedy_output_is_token_identical_to_the_targets_own_generate(setup, path):
     models, cases, references = setup
-    accepted, verified, kept = set(), set(), set()
+    accepted, verified, kept, short = set(), set(), set(), 0
     for case, reference in zip(cases, references):
         index, ids, max_new, eos = case
         target, drafter = models[index]
@@ -94,6 +94,7 @@ def test_greedy_output_is_token_identical_to_the_targets_own_generate(setup, pat
             out = target.generate(ids, custom_generate=speculative_generate, drafter=drafter, **settings, **kwargs)
             accepted |= set(drafter.round_record.accepted)
             verified |= set(drafter.round_record.verified)
+            short += drafter.round_record.short_lookups
             kept |= {o.branch for outcomes, _ in drafter.round_record.history for o in outcomes if o.branch}
         elif path == "target-alone":
             record = RoundRecord()
@@ -105,6 +106,7 @@ def test_greedy_output_is_token_identical_to_the_targets_own_generate(setup, pat
                                   policy=EveryChoice(16), round_record=record, **kwargs)
             accepted |= set(record.accepted)
             verified |= set(record.verified)
+            short += record.short_lookups
         elif path == "assistant-drafter":
             out = target.generate(ids, assistant_model=drafter, **kwargs)
             if max_new > 1:
@@ -119,6 +121,7 @@ def test_greedy_output_is_token_identical_to_the_targets_own_generate(setup, pat
         assert 1 in accepted and max(accepted) >= 3  # rejections and multi-token acceptances both happened
     if "every-choice" in path or path == "lookup-alone":
         assert verified == ({"nothing", "lookup"} if path == "lookup-alone" else {"nothing", "block", "lookup", "both"})
+        assert short > 0  # lookups whose first drafts alone were verified, in a short round
     if "every-choice" in path:  # trees kept either branch: a kept lookup branch moved its cache columns
         assert kept == {"block", "lookup"}
 

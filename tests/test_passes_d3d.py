@@ -15,6 +15,7 @@ from modeling_d3d.caches_d3d import StaticKVCache
 from modeling_d3d.generation_d3d import speculative_generate
 from modeling_d3d.passes_d3d import (PASS_KINDS, CompiledPasses, PassLayout, compiled_passes, prefill, prefill_groups,
                                      release_compiled_passes, run_pass)
+from modeling_d3d.policy_d3d import SHORT_DRAFTS
 from modeling_d3d.shapes_d3d import COMPILE_LENGTH_BUCKET, DYNAMIC_LENGTH_BUCKET, attended_columns, engine_size
 from modeling_d3d.sources_d3d import BlockSource, catch_up
 from modeling_d3d.successor_d3d import SuccessorSource, successor_pass
@@ -230,9 +231,9 @@ def test_a_new_cache_size_after_plain_steps_and_blocks_compiles_nothing():
 def test_the_fixed_shape_path_verifies_long_lookups_in_the_trees_shape(asynchronous):
     """The hybrid (`lookup=True`: lookups up to `2B - 2` drafts) on the fixed-shape path, forced eagerly, every kind of
     round by turns (`policies.EveryChoice`, long lookups among them: `RoundPlan.long`, a causal pass of the tree's
-    width that may keep up to `2B - 1` tokens): token-identical to `generate` on a ragged batch; the verify pass takes
-    the policy's three widths only (1, B, 2B - 1), and the block pass one shape (rows more than `B` behind after a
-    long round are brought up first, `sources_d3d.catch_up`)."""
+    width that may keep up to `2B - 1` tokens, and short rounds): token-identical to `generate` on a ragged batch; the
+    verify pass takes the policy's four widths only (1, a short round's, B, 2B - 1), and the block pass one shape
+    (rows more than `B` behind after a long round are brought up first, `sources_d3d.catch_up`)."""
     target, drafter = pair(5)
     held = fixed_passes(target, drafter)
     try:
@@ -246,7 +247,7 @@ def test_the_fixed_shape_path_verifies_long_lookups_in_the_trees_shape(asynchron
         assert torch.equal(output, target.generate(ids, attention_mask=mask, **settings))
         assert record.long_lookups > 0 and max(record.accepted) > BLOCK  # a long lookup kept more than a block
         widths = {ids[1] for ids, _ in log.shapes("verify")}
-        assert 2 * BLOCK - 1 in widths and widths <= {1, BLOCK, 2 * BLOCK - 1}
+        assert {SHORT_DRAFTS + 1, 2 * BLOCK - 1} <= widths <= {1, SHORT_DRAFTS + 1, BLOCK, 2 * BLOCK - 1}
         assert len(log.shapes("block")) == 1
     finally:
         for model in held:

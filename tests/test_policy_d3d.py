@@ -18,8 +18,9 @@ from modeling_d3d import (BlockSource, D3DBatchServer, D3DForBlockDiffusion, Rou
 from modeling_d3d.generation_d3d import speculative_generate
 from modeling_d3d.lookup_d3d import CANDIDATES, MAX_MATCH, LookupSource, NgramIndex
 from modeling_d3d.sources_d3d import Proposal
-from modeling_d3d.policy_d3d import (BLOCK, BOTH, FULL, LONG, LOOKUP, NOTHING, RoundPlan, VerifyPolicy, age_bucket,
-                                     apply_plan, make_chooser, match_bucket, pass_kind, untangled, verify_width)
+from modeling_d3d.policy_d3d import (BLOCK, BOTH, FULL, LONG, LOOKUP, NOTHING, SHORT_DRAFTS, RoundPlan, VerifyPolicy,
+                                     age_bucket, apply_plan, make_chooser, match_bucket, pass_kind, untangled,
+                                     verify_width)
 from policies import EveryChoice
 
 REPEATING = [1, 5, 2, 7, 3, 1, 5, 2, 7, 3, 1, 5]  # its suffix [1, 5] occurred before: lookups find [2, 7, 3, ...]
@@ -247,6 +248,62 @@ def test_lookups_that_keep_little_never_make_a_long_round():
         plan = policy.plan([0], [[5, 6, 7, 5, 6, 7]], True, greedy=[False], trees=True, matches=[3])
         assert plan.long is None
         policy.observe([0], plan, [1], 1.0, 0.0)
+
+
+def test_lookups_that_keep_little_verify_their_first_drafts_in_a_short_round_where_its_pass_is_cheaper():
+    """Sampled decoding of an uncertain target: a lookup keeps a fraction of a draft, too little for a block's
+    pass (1.6 plain steps here) but enough for a short round's (`short_drafts + 1` columns, 1.1 plain steps here);
+    what lookups kept of their first `short_drafts` is learnt from every verified lookup, a short round's teaching
+    nothing of the drafts after them; a row whose whole lookup went unverified for `lookup_interval` rounds verifies
+    it in a round of a block's width."""
+    policy = VerifyPolicy(16, costs={"narrow": 1.0, "short": 1.1, "wide": 1.6}, pooling=0.0)
+    assert policy.short_width() == SHORT_DRAFTS + 1
+    found = [1] * 10
+    policy.row(0).lookup, policy.row(0).short = 0.5, 0.4
+    plan = policy.plan([0, 1], [found, []], False)
+    assert plan == RoundPlan([LOOKUP, NOTHING], False, SHORT_DRAFTS + 1)  # 2.4 tokens for 1.1 s: more than 2 for 1
+    policy.observe([0, 1], plan, [1, 0], 1.1, 0.0)
+    history = policy.row(0)
+    assert history.short == pytest.approx(0.4 + policy.smoothing * 0.6) and history.lookup == 0.5
+    assert history.since_lookup == 1 and policy.priors[FULL] == 0.0  # nothing learnt of the whole lookup
+    policy.row(2).lookup, policy.row(2).short = 8.0, 2.0  # lookups that keep much: a block's pass pays more
+    plan = policy.plan([2], [found], False)
+    assert plan == RoundPlan([LOOKUP], False, 16)
+    policy.observe([2], plan, [9], 1.6, 0.0)  # a whole lookup teaches what its first drafts kept too
+    assert policy.row(2).short == pytest.approx(2.0 + policy.smoothing * 1.0)
+    policy.row(3).lookup = policy.row(3).short = 0.05  # keeping next to nothing, no round with drafts pays
+    assert policy.plan([3], [found], False).choices == [NOTHING]
+    history.since_lookup = policy.lookup_interval
+    assert policy.plan([0, 1], [found, []], False) == RoundPlan([LOOKUP, NOTHING], False, 16)  # its probe
+    assert VerifyPolicy(4).short_width() is None and VerifyPolicy(16, short_drafts=0).short_width() is None
+    with pytest.raises(ValueError, match="short_drafts"):
+        VerifyPolicy(16, short_drafts=-1)
+
+
+def test_a_short_round_is_priced_as_a_plain_step_until_measured_and_never_above_a_wide_one():
+    policy, found = VerifyPolicy(16, pooling=0.0), [1] * 10
+    policy.row(0).lookup, policy.row(0).short = 0.5, 0.4
+    for _ in range(2):  # another row measures a plain step and a lookup of a block
+        policy.observe([1], RoundPlan([NOTHING], False, 1), [0], 1.0, 0.0)
+        policy.observe([1], RoundPlan([LOOKUP], False, 16), [0], 2.0, 0.0)
+    assert policy.cost("short", 1) == 1.0  # not measured: the narrow pass's cost, so it is tried
+    plan = policy.plan([0], [found], False)
+    assert plan == RoundPlan([LOOKUP], False, SHORT_DRAFTS + 1)
+    for _ in range(2):
+        policy.observe([0], plan, [0], 3.0, 0.0)
+    assert policy.cost("short", 1) == 2.0 and policy.cost("narrow", 1) == 1.0  # a slow short pass: as a wide one
+    assert VerifyPolicy(16, costs={"narrow": 1.0, "wide": 1.5}).cost("short", 1) == 1.5  # not given: never chosen
+
+
+def test_a_short_round_verifies_each_lookups_first_drafts_in_its_narrow_pass():
+    vocab, width = 10, SHORT_DRAFTS + 1
+    plan = RoundPlan([LOOKUP, NOTHING, LOOKUP], False, width)
+    lookups = [[4, 5, 6, 7, 8], [], [9, 2]]
+    plan, applied = apply_plan(plan, None, lookups, vocab, True, torch.device("cpu"), 16)
+    assert applied.drafts.tolist() == [[4, 5, 6], [0, 0, 0], [9, 2, 0]]
+    assert applied.num_drafts.tolist() == [3, 0, 2]
+    assert applied.logits.shape == (3, SHORT_DRAFTS, vocab)
+    assert applied.logits[0].argmax(-1).tolist() == [4, 5, 6]  # q one-hot on the lookup's drafts
 
 
 def test_a_tree_untangled_to_a_lookup_longer_than_a_block_verifies_it_whole_where_no_tree_is_left():
@@ -514,7 +571,8 @@ def sampled_counts(target, drafter, kind: str) -> tuple[Counter, SpeculativeEngi
     engine_class = PeekingEngine if kind == "peeking" else SpeculativeEngine
     source = SuccessorSource(drafter, 3, 2) if kind == "async" else BlockSource(drafter)
     engine = engine_class(target, source, max_rows=65, max_length=64,
-                          lookup=LookupSource(4, min_ngram=2, max_drafts=6), policy=EveryChoice(4))
+                          lookup=LookupSource(4, min_ngram=2, max_drafts=6),
+                          policy=EveryChoice(4, short_drafts=1))
     counts, outputs, queue, greedy = Counter(), {}, list(range(SAMPLES)), 0
     try:
         engine.add(("greedy", greedy), REPEATING, RowSettings(NEW_TOKENS))
@@ -543,6 +601,7 @@ def test_sampled_rows_under_every_kind_of_plan_follow_the_target_distribution(sa
     counts, engine = sampled_counts(target, drafter, kind)
     assert set(engine.round_record.verified) == {NOTHING, BLOCK, LOOKUP, BOTH}  # BOTH: the greedy rows' trees
     assert engine.round_record.long_lookups > 0  # and lookups verified whole, past the block
+    assert engine.round_record.short_lookups > 0  # and only their first draft, in a 2-column pass
     assert max(engine.round_record.accepted) >= 2  # drafts were accepted, lookups among them
     assert chi_square_p_value(counts, expected, SAMPLES) > 1e-3
 
@@ -689,11 +748,16 @@ def test_the_policy_measures_plain_steps_and_skips_drafting_where_a_batch_makes_
 
 def test_each_verify_width_is_one_kind_of_pass_and_no_other_width_is_priced():
     """The widths a plan verifies (`verify_width`) and the kinds of pass the policy prices are one rule: 1 column a
-    narrow pass, `B` a wide one, `2B - 1` a tree; a pass of any other width is an engine bug, not a tree."""
+    narrow pass, a short round's width a short one, `B` a wide one, `2B - 1` a tree; a pass of any other width is an
+    engine bug, not a tree."""
     for block_size in (2, 4, 16):
         kinds = [pass_kind(verify_width(choices, block_size), block_size)
                  for choices in ([NOTHING], [BLOCK, NOTHING], [LOOKUP], [BOTH, BLOCK])]
         assert kinds == ["narrow", "wide", "wide", "tree"]
+        short = VerifyPolicy(block_size).short_width()
+        if short is not None:  # a short round's lookups; a block beside them makes the round a block wide
+            assert [pass_kind(verify_width(choices, block_size, short=short), block_size, short)
+                    for choices in ([LOOKUP, NOTHING], [LOOKUP, BLOCK], [NOTHING])] == ["short", "wide", "narrow"]
     with pytest.raises(RuntimeError, match="8 columns"):
         pass_kind(8, 16)
 

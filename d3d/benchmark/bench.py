@@ -146,14 +146,15 @@ def run_methods(target, methods: list[Method], prompts: list[torch.Tensor], max_
 def ideal_bounds(run: MethodRun, passes: dict) -> tuple[float, float]:
     """(sync, async) ideal speedups of `run`: its tokens at t_T(1) each over its rounds' passes (module docstring);
     rounds the engine did not record (transformers' loop) verified the drafter's block; a long lookup (past a block's
-    drafts) costs a pass of the tree's width."""
+    drafts) costs a pass of the tree's width, a short one (its first drafts) a short round's pass."""
     t1, tb, tt, td = passes["t_target_1"], passes["t_target_b"], passes["t_target_tree"], passes["t_drafter_b"]
     verified = run.verified if run.verified else Counter({BLOCK: run.rounds})
     narrow, block, both, long = verified[NOTHING], verified[BLOCK], verified[BOTH], run.long_lookups
-    lookup = verified[LOOKUP] - long
-    alone = run.new_tokens * t1
-    return (alone / (narrow * t1 + lookup * tb + long * tt + block * (tb + td) + both * (tt + td)),
-            alone / (narrow * t1 + (lookup + block) * tb + (long + both) * tt))
+    short = run.short_lookups
+    lookup = verified[LOOKUP] - long - short
+    alone, looked_up = run.new_tokens * t1, long * tt + short * (passes["t_target_short"] if short else 0.0)
+    return (alone / (narrow * t1 + lookup * tb + looked_up + block * (tb + td) + both * (tt + td)),
+            alone / (narrow * t1 + (lookup + block) * tb + looked_up + both * tt))
 
 
 def round_split(run: MethodRun) -> dict:

@@ -24,7 +24,7 @@ from d3d.common.report import table
 from modeling_d3d.acceptance_d3d import RowSampling
 from modeling_d3d.engine_d3d import RowSettings, SpeculativeEngine
 from modeling_d3d.generation_d3d import build_engine, make_source
-from modeling_d3d.policy_d3d import tree_width
+from modeling_d3d.policy_d3d import SHORT_DRAFTS, tree_width
 from modeling_d3d.successor_d3d import DEFAULT_FANOUT, SuccessorSource
 
 from .random_models import random_causal_lm, random_drafter
@@ -91,7 +91,8 @@ def block_pass(engine: SpeculativeEngine) -> Callable[[], object]:
 
 @torch.no_grad()
 def engine_pass_seconds(target, drafter, prefix_length: int = 256, repeats: int = 50, compile: bool = False) -> dict:
-    """t_T(1), t_T(B), t_T(2B-1) (the target's verify pass over 1 and B tokens, and over a tree of two branches) and
+    """t_T(1), t_T(B), t_T(2B-1), t_T(short) (the target's verify pass over 1 and B tokens, over a tree of two
+    branches, and over a short round's `SHORT_DRAFTS + 1` tokens) and
     t_D(B) (the drafter's block pass), eager or compiled, as the engines of one prompt of `prefix_length + B` tokens
     run them (the target alone, and D3D sync; its cache has room for a tree's columns) after a random
     `prefix_length`-token prefix, timed in alternation (`interleaved_seconds`)."""
@@ -105,6 +106,7 @@ def engine_pass_seconds(target, drafter, prefix_length: int = 256, repeats: int 
             "t_target_1": (verify_pass(alone), target.device),
             "t_target_b": (verify_pass(d3d), target.device),
             "t_target_tree": (verify_pass(d3d, tree_width(block_size)), target.device),
+            "t_target_short": (verify_pass(d3d, SHORT_DRAFTS + 1), target.device),
             "t_drafter_b": (block_pass(d3d), drafter.device),
         }, repeats)
 

@@ -41,8 +41,8 @@ class MethodRun:
     """One method over one prompt set: totals and per-prompt outputs. `verify_seconds` / `exposed_draft_seconds`
     are summed from the engine's round records (None for methods outside the engine), as are `compilations`
     (graphs PyTorch compiled during the rounds) and `verified` (rounds by what they verified: `policy_d3d`'s
-    nothing, block, lookup; one prompt a call, so row rounds are rounds; `long_lookups`: of the lookups, those
-    verified whole past a block's drafts)."""
+    nothing, block, lookup; one prompt a call, so row rounds are rounds; `long_lookups` / `short_lookups`: of the
+    lookups, those verified whole past a block's drafts / only their first drafts, in a short round)."""
 
     name: str
     seconds: float = 0.0
@@ -55,6 +55,7 @@ class MethodRun:
     compilations: int = 0
     verified: Counter = field(default_factory=Counter)
     long_lookups: int = 0
+    short_lookups: int = 0
     outputs: list[list[int]] = field(default_factory=list)
 
     @property
@@ -87,6 +88,7 @@ class MethodRun:
         self.compilations += record.compilations
         self.verified.update(record.verified)
         self.long_lookups += record.long_lookups
+        self.short_lookups += record.short_lookups
 
 
 def timed(fn: Callable[[], T], device: torch.device | str | None = None) -> tuple[T, float]:

@@ -71,9 +71,11 @@ def _passes(results: dict) -> list[str]:
     lines = []
     for mode, passes in results.get("passes", {}).items():
         tree = passes.get("t_target_tree")  # absent from a bench.json written before trees
+        short = passes.get("t_target_short")  # and before short rounds
         lines.append(f"- {mode}: t_T(1) = {1000 * passes['t_target_1']:.2f} ms, t_T(B={results['block_size']}) = "
                      f"{1000 * passes['t_target_b']:.2f} ms, "
                      + (f"t_T(2B-1) = {1000 * tree:.2f} ms, " if tree is not None else "")
+                     + (f"t_T(short) = {1000 * short:.2f} ms, " if short is not None else "")
                      + f"t_D(B) = {1000 * passes['t_drafter_b']:.2f} ms "
                      f"(measured in {passes['measure_seconds']:.1f} s)")
     return lines
@@ -131,8 +133,9 @@ def markdown(results: dict) -> str:
         "verify + exposed draft (with the drafter's prefill of a row, on its first block round) + overhead (host work, "
         "the target's prefill, `generate` setup), from the engine's round record "
         "(other methods: the total only, rounds counted by a streamer). Ideal sync: the tokens at t_T(1) each over "
-        "the passes the rounds ran, a round that verified the drafter's block t_T(B) + t_D(B), a lookup t_T(B) (one verified whole past "
-        "a block's drafts t_T(2B-1)), both (a tree) t_T(2B-1) + t_D(B), nothing t_T(1) (the block every round: τ·t_T(1)/(t_T(B) + t_D(B))); "
+        "the passes the rounds ran, a round that verified the drafter's block t_T(B) + t_D(B), a lookup t_T(B) (one "
+        "verified whole past a block's drafts t_T(2B-1), its first drafts only, in a short round, t_T(short)), both "
+        "(a tree) t_T(2B-1) + t_D(B), nothing t_T(1) (the block every round: τ·t_T(1)/(t_T(B) + t_D(B))); "
         "ideal async the same with drafting "
         f"hidden (τ·t_T(1)/t_T(B)); with the engine's passes over a {results.get('pass_prefix_length', 256)}-token "
         "prefix (reached: the speedup over the target alone through the engine in the same mode, over the bound):",
