@@ -42,6 +42,7 @@ NOTHING, BLOCK, LOOKUP, BOTH = "nothing", "block", "lookup", "both"
 FULL, LONG, SHORT = "full", "long", "short"
 SHORT_DRAFTS = 3  # the drafts a short lookup round verifies (`VerifyPolicy.short_drafts`; docs/results.md, 2026-12-07)
 OUTLIER = 2.0  # a measured pass above this many times its estimate is counted as this many (see `_measure`)
+SCALED = ("short", "wide", "tree")  # target passes whose cost is kept relative to a plain step's (`_measure`)
 WARM_UP_PASSES = 1  # the first passes of a kind at a batch size, whose one-time costs are not its cost (`_measure`)
 AGE_POOL_ROWS = 4  # a young age bucket's pooled block estimate follows about this many latest rows (`age_smoothing`)
 OLDEST_AGE = 5  # the open-ended age bucket: rows of 2 ** (OLDEST_AGE - 1) rounds and more (`age_bucket`)
@@ -82,9 +83,7 @@ class RowHistory:
 
 @dataclass
 class VerifyPolicy:
-    """Maximises expected tokens per second (see the module docstring). block_size: the verify width `B`;
-    short_drafts: the drafts a short round verifies of each lookup (`SHORT_DRAFTS`; no short round where they would
-    fill a block); smoothing:
+    """Maximises expected tokens per second (see the module docstring). block_size: the verify width `B`; smoothing:
     the weight of the newest observation in every average; probe_every: rounds a row may go without verifying the
     drafter's block, or a lookup it found (each doubled after a probe of its kind that kept nothing, up to 8x, and
     reset by one that kept a draft: `interval`, `lookup_interval`);
@@ -97,17 +96,19 @@ class VerifyPolicy:
     text does not make a good drafter worth skipping; `priors[BOTH]`: the drafts a tree kept beyond the branch
     expected to keep more, pooled the same way),
     and of the lookup's pooled acceptance at the lookup's match length (`lookup_priors[match_bucket(match)]`) in its
-    expected drafts from a lookup (and from its first `short_drafts`, `short_priors`). What
+    expected drafts from a lookup (and from its first `short_drafts`, `short_priors`); short_drafts: the drafts a short
+    round verifies of each lookup (`SHORT_DRAFTS`; no short round where they would fill a block). What
     it learns (costs; `priors`, where new rows start) carries over from call to call when it is kept (`policy_for`)."""
 
     block_size: int
-    short_drafts: int = SHORT_DRAFTS
     smoothing: float = 0.25
     probe_every: int = 16
     costs: dict[str, float] | None = None
     pooling: float = 0.5
     pool_smoothing: float = 0.03
+    short_drafts: int = SHORT_DRAFTS
     measured: dict[tuple[str, int], float] = field(default_factory=dict)
+    levels: dict[tuple[str, int], float] = field(default_factory=dict)
     pass_counts: dict[tuple[str, int], int] = field(default_factory=dict)
     history: dict = field(default_factory=dict)
     priors: dict[str, float] = field(default_factory=dict)
@@ -155,14 +156,20 @@ class VerifyPolicy:
                     return 0.0
                 return self.measured[("narrow", rows)] if self._known("narrow", rows) else 1.0
             wider = ("narrow", "short", "wide")[("narrow", "short").index(kind):]
-            return min(self.measured[(k, rows)] for k in wider if self._known(k, rows))
+            return min(self._seconds(k, rows) for k in wider if self._known(k, rows))
         if self._known(kind, rows):
-            return self.measured[(kind, rows)]
+            return self._seconds(kind, rows)
         if kind == "wide":
             return self.measured[("narrow", rows)] if self._known("narrow", rows) else 1.0
         if kind == "tree":
             return self.cost("wide", rows)
         return 0.0
+
+    def _seconds(self, kind: str, rows: int) -> float:
+        """The measured cost of `kind` at `rows`; a wider target pass's (`SCALED`) at the plain step's present
+        level: as measured, times the plain step's estimate now over what it was then (`levels`, `_measure`)."""
+        seconds, level = self.measured[(kind, rows)], self.levels.get((kind, rows))
+        return seconds if level is None else seconds * self.measured[("narrow", rows)] / level
 
     def _known(self, kind: str, rows: int) -> bool:
         """Whether passes of `kind` at `rows` were measured past their warm-up."""
@@ -408,14 +415,22 @@ class VerifyPolicy:
         after them replaces what they measured, unless it was slower (a pause of the process in the one pass that sets
         the estimate). A cost taken too high sticks (a pass the policy thinks dear is not chosen, so not measured
         again, and a 10x pause there would make a drafter that pays look dear for a whole run), one taken too low
-        corrects itself (the pass is chosen, and measured: at most 1.25x a pass, `OUTLIER` and `smoothing`)."""
+        corrects itself (the pass is chosen, and measured: at most 1.25x a pass, `OUTLIER` and `smoothing`). So a
+        wider target pass (`SCALED`) keeps its cost relative to the plain step's, which rounds measure most when drafts
+        pay least: its estimate is moved at the plain step's present level and `levels` keeps that level (while plain
+        steps are measured), so a spell of a slower machine (another process's burst: the passes of every kind
+        1.5x slower for seconds) does not stick to a pass that is chosen rarely."""
         count = self.pass_counts[(kind, rows)] = self.pass_counts.get((kind, rows), 0) + 1
-        old = self.measured.get((kind, rows))
+        old = self._seconds(kind, rows) if (kind, rows) in self.measured else None
         if old is not None and count > WARM_UP_PASSES + 1:
             seconds = old + self.smoothing * (min(seconds, OUTLIER * old) - old)
         elif old is not None:
             seconds = min(seconds, old)
         self.measured[(kind, rows)] = seconds
+        if kind in SCALED and self._known("narrow", rows):
+            self.levels[(kind, rows)] = self.measured[("narrow", rows)]
+        else:
+            self.levels.pop((kind, rows), None)
 
 
 def age_bucket(rounds: int) -> int:

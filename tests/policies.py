@@ -10,18 +10,21 @@ class EveryChoice(VerifyPolicy):
     (both: only a greedy row of an engine that verifies trees, else its lookup; a lookup with no continuation: the
     block; no drafter: nothing). In an engine that verifies trees, every even round verifies no tree (a row's turn
     for both is its lookup) and each lookup whole (a long round, `RoundPlan.long`, where a continuation goes past a
-    block's drafts). Every sixth call is a short round where the policy has one (`VerifyPolicy.short_width`) and a
-    row has a continuation: each such row verifies its first `short_drafts`, the others nothing; it does not count as
-    a round of the turns above. Its decisions read nothing of the round's verification, as the real policy's."""
+    block's drafts). With `short_every`, every such call is a short round where the policy has one
+    (`VerifyPolicy.short_width`) and a row has a continuation: each such row verifies its first `short_drafts`, the
+    others nothing; it does not count as a round of the turns above. Its decisions read nothing of the round's
+    verification, as the real policy's."""
 
-    def __init__(self, block_size: int, short_drafts: int = SHORT_DRAFTS):
+    def __init__(self, block_size: int, short_drafts: int = SHORT_DRAFTS, short_every: int = 0):
         super().__init__(block_size, short_drafts=short_drafts)
         self.round = self.calls = 0
+        self.short_every = short_every
 
     def plan(self, keys: list, lookups: list[list[int]], drafter: bool, greedy: list[bool] | None = None,
              trees: bool = False, matches: list[int] | None = None) -> RoundPlan:
         self.calls += 1
-        if self.calls % 6 == 0 and self.short_width() is not None and any(lookups):
+        short = self.short_every and self.calls % self.short_every == 0 and self.short_width() is not None
+        if short and any(lookups):
             return self.round_of([LOOKUP if found else NOTHING for found in lookups], short=True)
         self.round += 1
         choices, long = [], trees and self.round % 2 == 0

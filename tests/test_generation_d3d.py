@@ -90,7 +90,7 @@ def test_greedy_output_is_token_identical_to_the_targets_own_generate(setup, pat
             if path == "async-Cmax-F1":
                 settings["coverage"] = drafter.config.block_size
             if "every-choice" in path:
-                settings["policy"] = EveryChoice(drafter.config.block_size)
+                settings["policy"] = EveryChoice(drafter.config.block_size, short_every=6)
             out = target.generate(ids, custom_generate=speculative_generate, drafter=drafter, **settings, **kwargs)
             accepted |= set(drafter.round_record.accepted)
             verified |= set(drafter.round_record.verified)
@@ -103,7 +103,7 @@ def test_greedy_output_is_token_identical_to_the_targets_own_generate(setup, pat
         elif path == "lookup-alone":
             record = RoundRecord()
             out = target.generate(ids, custom_generate=speculative_generate, drafter=None, lookup=True,
-                                  policy=EveryChoice(16), round_record=record, **kwargs)
+                                  policy=EveryChoice(16, short_every=6), round_record=record, **kwargs)
             accepted |= set(record.accepted)
             verified |= set(record.verified)
             short += record.short_lookups

@@ -243,7 +243,8 @@ def test_the_fixed_shape_path_verifies_long_lookups_in_the_trees_shape(asynchron
         record = RoundRecord()
         output = target.generate(ids, attention_mask=mask, custom_generate=speculative_generate, drafter=drafter,
                                  asynchronous=asynchronous, coverage=COVERAGE, fanout=FANOUT, compile=True,
-                                 lookup=True, policy=EveryChoice(BLOCK), round_record=record, **settings)
+                                 lookup=True, policy=EveryChoice(BLOCK, short_every=6), round_record=record,
+                                 **settings)
         assert torch.equal(output, target.generate(ids, attention_mask=mask, **settings))
         assert record.long_lookups > 0 and max(record.accepted) > BLOCK  # a long lookup kept more than a block
         widths = {ids[1] for ids, _ in log.shapes("verify")}

@@ -572,7 +572,7 @@ def sampled_counts(target, drafter, kind: str) -> tuple[Counter, SpeculativeEngi
     source = SuccessorSource(drafter, 3, 2) if kind == "async" else BlockSource(drafter)
     engine = engine_class(target, source, max_rows=65, max_length=64,
                           lookup=LookupSource(4, min_ngram=2, max_drafts=6),
-                          policy=EveryChoice(4, short_drafts=1))
+                          policy=EveryChoice(4, short_drafts=1, short_every=6))
     counts, outputs, queue, greedy = Counter(), {}, list(range(SAMPLES)), 0
     try:
         engine.add(("greedy", greedy), REPEATING, RowSettings(NEW_TOKENS))
@@ -708,6 +708,26 @@ def test_one_slow_plain_step_does_not_make_every_round_draft():
     for _ in range(2):
         alone.observe([0], RoundPlan([NOTHING], False, 1), [0], 2.5, 0.0)
     assert alone.cost("narrow", 1) == alone.cost("wide", 1) == 2.5
+
+
+def test_a_spell_of_a_slower_machine_does_not_stick_to_a_pass_chosen_rarely():
+    """Sampled decoding: plain steps are measured every round, a block's pass only now and then. One measured during a
+    spell when every pass ran 2x slower (another process's burst) would, kept in seconds, price that pass 1.25x for
+    good (it is then chosen less, so measured less) and skip lookups that pay; kept relative to the plain step's level
+    (`levels`), its cost comes back with the plain step's when the spell ends."""
+    policy = VerifyPolicy(16, pooling=0.0, short_drafts=0)
+    policy.row(0).lookup = 0.6  # 1.6 tokens for 1.5 plain steps' time: worth a block's pass
+    for _ in range(2):
+        policy.observe([1], RoundPlan([NOTHING], False, 1), [0], 1.0, 0.0)
+        policy.observe([1], RoundPlan([LOOKUP], False, 16), [0], 1.5, 0.0)
+    for _ in range(20):  # the spell: plain steps take 2 s
+        policy.observe([1], RoundPlan([NOTHING], False, 1), [0], 2.0, 0.0)
+    policy.observe([1], RoundPlan([LOOKUP], False, 16), [0], 3.0, 0.0)  # and a block's pass 3 s
+    for _ in range(20):  # after it
+        policy.observe([1], RoundPlan([NOTHING], False, 1), [0], 1.0, 0.0)
+    assert policy.cost("narrow", 1) == pytest.approx(1.0, rel=0.01)
+    assert policy.cost("wide", 1) == pytest.approx(1.5, rel=0.01)
+    assert policy.plan([0], [[1] * 10], False).choices == [LOOKUP]
 
 
 def test_a_slow_first_pass_of_a_kind_does_not_set_its_cost():
