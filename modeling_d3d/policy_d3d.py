@@ -40,7 +40,7 @@ NOTHING, BLOCK, LOOKUP, BOTH = "nothing", "block", "lookup", "both"
 # the pools of lookups that kept every one of a block's drafts, and of what long ones then kept beyond them
 # (`VerifyPolicy.expected_long_lookup`); of what lookups kept of their first `short_drafts` (`expected_short_lookup`)
 FULL, LONG, SHORT = "full", "long", "short"
-SHORT_DRAFTS = 3  # the drafts a short lookup round verifies (`VerifyPolicy.short_drafts`; docs/results.md, 2026-12-07)
+SHORT_DRAFTS = 3  # the drafts a short lookup round verifies (`VerifyPolicy.short_drafts`; docs/results.md, 2026-12-06)
 OUTLIER = 2.0  # a measured pass above this many times its estimate is counted as this many (see `_measure`)
 SCALED = ("short", "wide", "tree")  # target passes whose cost is kept relative to a plain step's (`_measure`)
 WARM_UP_PASSES = 1  # the first passes of a kind at a batch size, whose one-time costs are not its cost (`_measure`)
