@@ -42,6 +42,7 @@ NOTHING, BLOCK, LOOKUP, BOTH = "nothing", "block", "lookup", "both"
 FULL, LONG, SHORT = "full", "long", "short"
 SHORT_DRAFTS = 3  # the drafts a short lookup round verifies (`VerifyPolicy.short_drafts`; docs/results.md, 2026-12-06)
 OUTLIER = 2.0  # a measured pass above this many times its estimate is counted as this many (see `_measure`)
+NARROWEST_FIRST = ("narrow", "short", "wide")  # passes of one proposal, none priced above a wider one (`cost`)
 SCALED = ("short", "wide", "tree")  # target passes whose cost is kept relative to a plain step's (`_measure`)
 WARM_UP_PASSES = 1  # the first passes of a kind at a batch size, whose one-time costs are not its cost (`_measure`)
 AGE_POOL_ROWS = 4  # a young age bucket's pooled block estimate follows about this many latest rows (`age_smoothing`)
@@ -150,20 +151,14 @@ class VerifyPolicy:
             if kind in ("tree", "short") and kind not in self.costs:  # not given: a wide pass (a tree: as when not
                 return self.costs["wide"]  # measured; a short one: never chosen over a wide lookup)
             return self.costs[kind]
-        if kind in ("narrow", "short"):
-            if not self._known(kind, rows):
-                if kind == "narrow":
-                    return 0.0
+        if not self._known(kind, rows):
+            if kind in ("short", "wide"):
                 return self.measured[("narrow", rows)] if self._known("narrow", rows) else 1.0
-            wider = ("narrow", "short", "wide")[("narrow", "short").index(kind):]
+            return self.cost("wide", rows) if kind == "tree" else 0.0
+        if kind in NARROWEST_FIRST:  # never dearer than a wider pass
+            wider = NARROWEST_FIRST[NARROWEST_FIRST.index(kind):]
             return min(self._seconds(k, rows) for k in wider if self._known(k, rows))
-        if self._known(kind, rows):
-            return self._seconds(kind, rows)
-        if kind == "wide":
-            return self.measured[("narrow", rows)] if self._known("narrow", rows) else 1.0
-        if kind == "tree":
-            return self.cost("wide", rows)
-        return 0.0
+        return self._seconds(kind, rows)
 
     def _seconds(self, kind: str, rows: int) -> float:
         """The measured cost of `kind` at `rows`; a wider target pass's (`SCALED`) at the plain step's present
@@ -311,8 +306,8 @@ class VerifyPolicy:
         `BOTH` row's block and lookup each matched) and what its passes cost (`verify_seconds`: the verify pass and
         the acceptance after it, which grows with the verified columns; `drafter_seconds`: the drafting the round
         waited for)."""
-        rows, rate, branch, short = len(keys), self.smoothing, self.block_size - 1, self.short_width()
-        kind = pass_kind(plan.width, self.block_size, short)
+        rows, rate, branch, short_width = len(keys), self.smoothing, self.block_size - 1, self.short_width()
+        kind = pass_kind(plan.width, self.block_size, short_width)
         self._measure(kind, rows, verify_seconds)
         if plan.drafter:
             self._measure("drafter", rows, drafter_seconds)
@@ -322,7 +317,7 @@ class VerifyPolicy:
                                                                           plan.long or [False] * rows)):
             history = self.row(key)
             looked_up = accepted if choice == LOOKUP else both[1] if choice == BOTH and both is not None else None
-            if looked_up is not None and short is not None:  # what the lookup kept of its first `short_drafts`
+            if looked_up is not None and short_width is not None:  # what it kept of its first `short_drafts`
                 kept = min(looked_up, self.short_drafts)
                 history.short += rate * (kept - history.short)
                 self._pool_match(self.short_priors, SHORT, match, kept)

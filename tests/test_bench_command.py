@@ -159,7 +159,7 @@ def test_ideal_bounds_charge_each_round_the_passes_it_ran():
     one, verified whole past a block's drafts, t_T(2B-1); a short one, its first drafts, a short round's pass), a tree
     t_T(2B-1) + t_D(B) or t_T(2B-1), a round that verified nothing t_T(1); with the block every round these are the
     paper's τ·t_T(1)/(t_T(B) + t_D(B)) and τ·t_T(1)/t_T(B)."""
-    passes = {"t_target_1": 1.0, "t_target_b": 2.0, "t_target_tree": 3.0, "t_drafter_b": 1.0}
+    passes = {"t_target_1": 1.0, "t_target_b": 2.0, "t_target_tree": 3.0, "t_target_short": 1.5, "t_drafter_b": 1.0}
     every_round = MethodRun("fixed", new_tokens=40, rounds=10)  # transformers' loop: no record, the block each round
     assert ideal_bounds(every_round, passes) == (4.0 * 1 / 3, 4.0 * 1 / 2)
     mixed = MethodRun("policy", new_tokens=40, rounds=22,
@@ -167,7 +167,7 @@ def test_ideal_bounds_charge_each_round_the_passes_it_ran():
     assert ideal_bounds(mixed, passes) == (40 / (10 + 2 * 2 + 8 * 3 + 2 * 4), 40 / (10 + 10 * 2 + 2 * 3))
     mixed.long_lookups = 1  # one of the two lookups was long
     assert ideal_bounds(mixed, passes) == (40 / (10 + 2 + 3 + 8 * 3 + 2 * 4), 40 / (10 + 9 * 2 + 3 * 3))
-    mixed.short_lookups, passes["t_target_short"] = 1, 1.5  # the other short: its first drafts only
+    mixed.short_lookups = 1  # the other short: its first drafts only
     assert ideal_bounds(mixed, passes) == (40 / (10 + 1.5 + 3 + 8 * 3 + 2 * 4), 40 / (10 + 1.5 + 8 * 2 + 3 * 3))
 
 

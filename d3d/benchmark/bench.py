@@ -147,12 +147,13 @@ def ideal_bounds(run: MethodRun, passes: dict) -> tuple[float, float]:
     """(sync, async) ideal speedups of `run`: its tokens at t_T(1) each over its rounds' passes (module docstring);
     rounds the engine did not record (transformers' loop) verified the drafter's block; a long lookup (past a block's
     drafts) costs a pass of the tree's width, a short one (its first drafts) a short round's pass."""
-    t1, tb, tt, td = passes["t_target_1"], passes["t_target_b"], passes["t_target_tree"], passes["t_drafter_b"]
+    t1, tb, tt, ts, td = (passes[name] for name in ("t_target_1", "t_target_b", "t_target_tree", "t_target_short",
+                                                    "t_drafter_b"))
     verified = run.verified if run.verified else Counter({BLOCK: run.rounds})
-    narrow, block, both, long = verified[NOTHING], verified[BLOCK], verified[BOTH], run.long_lookups
-    short = run.short_lookups
+    narrow, block, both, long, short = (verified[NOTHING], verified[BLOCK], verified[BOTH], run.long_lookups,
+                                        run.short_lookups)
     lookup = verified[LOOKUP] - long - short
-    alone, looked_up = run.new_tokens * t1, long * tt + short * (passes["t_target_short"] if short else 0.0)
+    alone, looked_up = run.new_tokens * t1, long * tt + short * ts
     return (alone / (narrow * t1 + lookup * tb + looked_up + block * (tb + td) + both * (tt + td)),
             alone / (narrow * t1 + (lookup + block) * tb + looked_up + both * tt))
 
