@@ -15,6 +15,7 @@ import torch
 from transformers import LogitsProcessorList
 from transformers.generation import logits_process
 
+LOCAL_PROCESSORS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper")
 CONTEXT_FREE_PROCESSORS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
                            "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper", "TopHLogitsWarper")
 
@@ -50,18 +51,62 @@ class RowProcessors(LogitsProcessorList):
         self._takes: dict[int, tuple[object, bool]] = {}  # id -> (processor, takes kwargs); the list may change
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
-        for processor in self:
-            if self._takes_kwargs(processor):
-                scores = LogitsProcessorList([processor])(input_ids, scores, **kwargs)
-            else:
-                scores = processor(input_ids, scores)
+        split = self._top_k_split()
+        for index, processor in enumerate(self):
+            if index == split:
+                kept = top_k_candidates(processor, scores)
+                if kept is not None:  # the rest see the top-k tokens only (every other token stays -inf)
+                    values, indices = kept
+                    for later in self[index + 1 :]:
+                        values = later(input_ids, values)
+                    return torch.full_like(scores, processor.filter_value).scatter_(-1, indices, values)
+            scores = self._apply(processor, input_ids, scores, kwargs)
         return scores
+
+    def _apply(self, processor, input_ids: torch.LongTensor, scores: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        if self._takes_kwargs(processor):
+            return LogitsProcessorList([processor])(input_ids, scores, **kwargs)
+        return processor(input_ids, scores)
+
+    def _top_k_split(self) -> int | None:
+        """The index of the first top-k warper after which every processor acts only on the tokens it keeps
+        (`top_k_local`), or None."""
+        split = None
+        for index in range(len(self) - 1, -1, -1):
+            if not top_k_local(self[index]):
+                break
+            if isinstance(self[index], logits_process.TopKLogitsWarper):
+                split = index
+        return split
 
     def _takes_kwargs(self, processor) -> bool:
         known = self._takes.get(id(processor))
         if known is None or known[0] is not processor:
             known = self._takes[id(processor)] = processor, len(inspect.signature(processor.__call__).parameters) > 2
         return known[1]
+
+
+def top_k_local(processor) -> bool:
+    """Whether `processor` (temperature, top-k, top-p, min-p, each filling with -inf) maps scores that are -inf
+    outside a set of tokens to scores that are -inf outside it, computed from that set's scores alone: then, after a
+    top-k warper, it can be applied to the k kept scores instead of the whole vocabulary."""
+    local = tuple(getattr(logits_process, name) for name in LOCAL_PROCESSORS if hasattr(logits_process, name))
+    return isinstance(processor, local) and getattr(processor, "filter_value", -float("inf")) == -float("inf")
+
+
+def top_k_candidates(warper, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """What the top-k `warper` keeps of scores `(..., vocab)`: its k scores and their token ids `(..., k)`, the same
+    tokens `warper(ids, scores)` leaves finite; None where k covers the vocabulary (nothing to gain) or any two of
+    the k + 1 highest scores are equal or NaN: a tie at the k-th keeps more than k, and the order of tied scores
+    (`torch.sort`'s, unstable) decides which of them a later top-p keeps, so only distinct scores give the same
+    tokens for certain."""
+    k = min(warper.top_k, scores.shape[-1])
+    if k + 1 > scores.shape[-1]:
+        return None
+    values, indices = scores.topk(k + 1, dim=-1)  # descending
+    if not bool((values[..., 1:] < values[..., :-1]).all()):  # a tie, or a NaN (which compares false)
+        return None
+    return values[..., :k], indices[..., :k]
 
 
 def context_free(logits_processor: LogitsProcessorList | None) -> bool:

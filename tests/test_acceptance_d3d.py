@@ -8,8 +8,10 @@ from collections import Counter
 import pytest
 import torch
 
+from transformers import LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
 from distribution import chi_square_p_value
-from modeling_d3d.acceptance_d3d import block_verify, rejection_sample
+from modeling_d3d.acceptance_d3d import RowProcessors, block_verify, rejection_sample
 
 VOCAB, DRAFTS, LENGTH, SAMPLES = 3, 3, 3, 6000
 
@@ -101,3 +103,44 @@ def test_a_round_without_drafts_draws_the_token_from_p(accept):
     assert tokens.shape == (SAMPLES, 1) and tokens.dtype == torch.long and not accepted.any()
     counts = Counter((t,) for t in tokens[:, 0].tolist())
     assert chi_square_p_value(counts, {(t,): v for t, v in enumerate(p.tolist())}, SAMPLES) > 1e-3
+
+
+class WidthsSeen(TopPLogitsWarper):
+    """A top-p warper that records how many scores per position it was given."""
+
+    def __init__(self, top_p: float):
+        super().__init__(top_p)
+        self.widths = []
+
+    def __call__(self, input_ids, scores):
+        self.widths.append(scores.shape[-1])
+        return super().__call__(input_ids, scores)
+
+
+def test_warpers_after_top_k_see_only_its_tokens_and_give_transformers_scores():
+    """A row's processors (`RowProcessors`) run the warpers after a top-k warper (top-p, min-p, temperature) over
+    the k scores it keeps, not the whole vocabulary (16 verified columns of a 151k vocabulary: 16 sorts of it), and
+    give exactly the scores transformers' own list gives, in any order of the warpers, ties and -inf included; where
+    the k + 1 highest scores are not distinct, the whole vocabulary, as transformers does."""
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(400):
+        vocab = int(torch.randint(2, 60, (), generator=generator))
+        chain = [TemperatureLogitsWarper(0.1 + 2 * float(torch.rand((), generator=generator))),
+                 TopKLogitsWarper(int(torch.randint(1, vocab + 2, (), generator=generator))),
+                 TopPLogitsWarper(0.01 + 0.99 * float(torch.rand((), generator=generator)))]
+        chain += [MinPLogitsWarper(0.5 * float(torch.rand((), generator=generator)))] if trial % 3 == 0 else []
+        chain = chain[::-1] if trial % 5 == 0 else chain
+        scores = 3 * torch.randn(int(torch.randint(1, 5, (), generator=generator)), vocab, generator=generator)
+        scores = scores.round() if trial % 7 == 0 else scores  # ties
+        scores[:, : vocab // 4] = -float("inf") if trial % 11 == 0 else scores[:, : vocab // 4]
+        ids = torch.zeros(scores.shape[0], 1, dtype=torch.long)
+        assert torch.equal(RowProcessors(chain)(ids, scores.clone()), LogitsProcessorList(chain)(ids, scores.clone()))
+
+    top_p = WidthsSeen(0.9)
+    processors = RowProcessors([TemperatureLogitsWarper(0.6), TopKLogitsWarper(20), top_p])
+    distinct = torch.randn(16, 4096, generator=generator)
+    assert torch.equal(processors(None, distinct.clone()), LogitsProcessorList(processors)(None, distinct.clone()))
+    tied = distinct.clone()
+    tied[3, tied[3].topk(2).indices] = tied[3].max()
+    processors(None, tied)
+    assert top_p.widths == [20, 4096, 4096]  # transformers' list, then the tie
