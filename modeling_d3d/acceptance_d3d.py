@@ -143,7 +143,21 @@ def choose(logits: torch.Tensor, do_sample: bool, generator: torch.Generator | N
     """Tokens `(n,)` from processed logits `(n, vocab)`: argmax, or a draw from their softmax."""
     if not do_sample:
         return logits.argmax(-1)
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
+    return draw(logits.softmax(-1), [generator] * logits.shape[0])
+
+
+def draw(weights: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token `(rows,)` per row of `weights` `(rows, vocab)` (>= 0, each row's sum > 0), drawn with probability
+    proportional to its weight, row r with `generators[r]` (None: the global one): where one uniform draw falls in
+    the row's cumulative weights, summed in float64. `torch.multinomial` draws an exponential per token of the
+    vocabulary instead (about 85 us a row of 4096 on a CPU: 1.3 ms for a block's 15 drafts, 1.4 % of a small target's
+    sampled step)."""
+    cumulative = weights.to(torch.float64).cumsum(-1)
+    total = cumulative[:, -1:]
+    uniform = torch.cat([torch.rand(1, dtype=torch.float64, device=weights.device, generator=g) for g in generators])
+    # below the total (a draw of 1 - 2^-53 could round up to it): the first column past it has a weight > 0
+    below = torch.minimum(uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cumulative, below, right=True)[:, 0]
 
 
 def drafts_from_logits(raw: torch.Tensor, contexts: list[list[int]], sampling: list[RowSampling],
@@ -187,7 +201,7 @@ def rejection_sample(drafts: torch.Tensor, num_drafts: torch.Tensor, draft_logit
     norm(max(0, p - q)); after every real draft is accepted, sample the bonus token from p. One generator per row
     (None: the global one). The tokens are distributed exactly as the target's processed p."""
     if drafts.shape[1] == 0:
-        return _draw(target_logits, generators)
+        return _without_drafts(target_logits, generators)
     p, q, p_draft, q_draft = _draft_probabilities(drafts, draft_logits, target_logits)
     draws = _uniforms(drafts, generators, p.device)
     real = torch.arange(drafts.shape[1], device=p.device) < num_drafts[:, None]
@@ -205,7 +219,7 @@ def block_verify(drafts: torch.Tensor, num_drafts: torch.Tensor, draft_logits: t
     at position `tau` (from p after all `n` drafts). Same inputs and outputs as `rejection_sample`; the tokens are
     distributed exactly as the target's processed p, and the expected number kept is never smaller."""
     if drafts.shape[1] == 0:
-        return _draw(target_logits, generators)
+        return _without_drafts(target_logits, generators)
     p, q, p_draft, q_draft = _draft_probabilities(drafts, draft_logits, target_logits)
     rows, m = drafts.shape
     scale = [torch.ones(rows, device=p.device, dtype=p.dtype)]  # a_0 .. a_m
@@ -223,11 +237,11 @@ def block_verify(drafts: torch.Tensor, num_drafts: torch.Tensor, draft_logits: t
     return accepted, _finish(drafts, num_drafts, accepted, p, q, scale, generators)
 
 
-def _draw(target_logits: torch.Tensor, generators: list[torch.Generator | None]):
+def _without_drafts(target_logits: torch.Tensor, generators: list[torch.Generator | None]):
     """A round without drafts: no draft accepted, each row's token drawn from p `(rows, 1, vocab)` with its
     generator."""
     p = target_logits[:, 0].softmax(-1)
-    return torch.zeros(p.shape[0], dtype=torch.long, device=p.device), _sample_rows(p, generators)[:, None]
+    return torch.zeros(p.shape[0], dtype=torch.long, device=p.device), draw(p, generators)[:, None]
 
 
 def _draft_probabilities(drafts: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor):
@@ -255,17 +269,11 @@ def _finish(drafts: torch.Tensor, num_drafts: torch.Tensor, accepted: torch.Tens
     a = scale.gather(1, accepted.clamp(max=scale.shape[1] - 1)[:, None])
     residual = (a * p_at - q_at).clamp(min=0)
     use_residual = (accepted < num_drafts) & (residual.sum(-1) > 0)
-    distribution = torch.where(use_residual[:, None], residual, p_at)
-    distribution = distribution / distribution.sum(-1, keepdim=True)
+    distribution = torch.where(use_residual[:, None], residual, p_at)  # weights: `draw` normalises
     tokens = torch.cat([drafts, drafts.new_zeros(drafts.shape[0], 1)], dim=1)
-    tokens.scatter_(1, accepted[:, None], _sample_rows(distribution, generators)[:, None])
+    tokens.scatter_(1, accepted[:, None], draw(distribution, generators)[:, None])
     return tokens
 
 
-def _sample_rows(distribution: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token `(rows,)` per row of `distribution` `(rows, vocab)`, each drawn with its row's generator."""
-    return torch.cat([torch.multinomial(distribution[r : r + 1], 1, generator=g)[0] for r, g in enumerate(generators)])
-
-
-__all__ = ["CONTEXT_FREE_PROCESSORS", "RowProcessors", "RowSampling", "block_verify", "choose", "context_free",
+__all__ = ["CONTEXT_FREE_PROCESSORS", "RowProcessors", "RowSampling", "block_verify", "choose", "context_free", "draw",
            "drafts_from_logits", "ends_row_only", "greedy_accept", "process", "rejection_sample"]

@@ -11,7 +11,7 @@ import torch
 from transformers import LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from distribution import chi_square_p_value
-from modeling_d3d.acceptance_d3d import RowProcessors, block_verify, rejection_sample
+from modeling_d3d.acceptance_d3d import RowProcessors, block_verify, draw, rejection_sample
 
 VOCAB, DRAFTS, LENGTH, SAMPLES = 3, 3, 3, 6000
 
@@ -144,3 +144,20 @@ def test_warpers_after_top_k_see_only_its_tokens_and_give_transformers_scores():
     tied[3, tied[3].topk(2).indices] = tied[3].max()
     processors(None, tied)
     assert top_p.widths == [20, 4096, 4096]  # transformers' list, then the tie
+
+
+def test_draws_follow_each_rows_weights_with_its_own_generator():
+    """`draw` (the engine's sampler: one uniform per row into its cumulative weights) picks each token with
+    probability proportional to its weight, never a zero-weight one (first, last, between), for rows of unnormalised
+    weights; a row's draws depend on its own generator only."""
+    weights = torch.tensor([[0.0, 2.0, 0.0, 1.0, 1.0, 0.0], [0.5, 0.0, 0.0, 0.0, 0.0, 1.5], [0.0] * 5 + [3.0]])
+    generators = [torch.Generator().manual_seed(seed) for seed in (1, 2, 3)]
+    samples = torch.stack([draw(weights, generators) for _ in range(4000)])  # (4000, rows)
+    for row in range(weights.shape[0]):
+        counts = Counter((token,) for token in samples[:, row].tolist())
+        assert {token for token, in counts} <= set(weights[row].nonzero()[:, 0].tolist())
+        if row < 2:
+            expected = {(token,): (weight / weights[row].sum()).item() for token, weight in enumerate(weights[row])}
+            assert chi_square_p_value(counts, expected, len(samples)) > 1e-3
+    alone = draw(weights[1:2], [torch.Generator().manual_seed(2)])
+    assert torch.equal(alone, draw(weights, [torch.Generator().manual_seed(seed) for seed in (9, 2, 9)])[1:2])
