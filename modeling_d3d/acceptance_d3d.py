@@ -44,7 +44,9 @@ class RowProcessors(LogitsProcessorList):
     transformers' list reads every processor's signature on every call (`inspect.signature`, about 0.08 ms each on
     a CPU), and a row calls its list every round, which made a sampled decoding step of a small target measurably
     slower than `generate`'s. A processor that takes more than `(input_ids, scores)` goes through transformers'
-    list, with its checks and kwargs."""
+    list, with its checks and kwargs. The warpers after a top-k warper run over the k scores it keeps
+    (`top_k_candidates`), the same scores out: top-p sorts the whole vocabulary per column otherwise (16 columns of
+    4096 on a CPU: 1.07 ms, against 0.18 ms)."""
 
     def __init__(self, processors=()):
         super().__init__(processors)
@@ -99,9 +101,10 @@ def top_k_candidates(warper, scores: torch.Tensor) -> tuple[torch.Tensor, torch.
     tokens `warper(ids, scores)` leaves finite; None where k covers the vocabulary (nothing to gain) or any two of
     the k + 1 highest scores are equal or NaN: a tie at the k-th keeps more than k, and the order of tied scores
     (`torch.sort`'s, unstable) decides which of them a later top-p keeps, so only distinct scores give the same
-    tokens for certain."""
+    tokens for certain. Scores on the CPU only: that check reads them, which on a GPU would stall the host until the
+    verify pass is done (a round's one read is its acceptance's), and a GPU sorts a vocabulary per column fast."""
     k = min(warper.top_k, scores.shape[-1])
-    if k + 1 > scores.shape[-1]:
+    if scores.device.type != "cpu" or k + 1 > scores.shape[-1]:
         return None
     values, indices = scores.topk(k + 1, dim=-1)  # descending
     if not bool((values[..., 1:] < values[..., :-1]).all()):  # a tie, or a NaN (which compares false)
