@@ -154,9 +154,14 @@ def draw(weights: torch.Tensor, generators: list[torch.Generator | None]) -> tor
     proportional to its weight, row r with `generators[r]` (None: the global one): where one uniform draw falls in
     the row's cumulative weights, summed in float64. `torch.multinomial` draws an exponential per token of the
     vocabulary instead (about 85 us a row of 4096 on a CPU: 1.3 ms for a block's 15 drafts, 1.4 % of a small target's
-    sampled step)."""
+    sampled step). A row without mass (NaN, or nothing but zeros: processors that left every score -inf) raises, as
+    `torch.multinomial` does, where the weights are on the CPU; on a GPU (no read of the weights: it would stall the
+    host before the round's one read) its token is `vocab`, outside the vocabulary."""
     cumulative = weights.to(torch.float64).cumsum(-1)
     total = cumulative[:, -1:]
+    if weights.device.type == "cpu" and not bool((total > 0).all()):  # NaN compares false
+        raise RuntimeError("A sampling distribution has no mass: its probabilities are NaN or all zero (every "
+                           "score -inf after the logits processors?)")
     uniform = torch.cat([torch.rand(1, dtype=torch.float64, device=weights.device, generator=g) for g in generators])
     # below the total (a draw of 1 - 2^-53 could round up to it): the first column past it has a weight > 0
     below = torch.minimum(uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))

@@ -161,3 +161,11 @@ def test_draws_follow_each_rows_weights_with_its_own_generator():
             assert chi_square_p_value(counts, expected, len(samples)) > 1e-3
     alone = draw(weights[1:2], [torch.Generator().manual_seed(2)])
     assert torch.equal(alone, draw(weights, [torch.Generator().manual_seed(seed) for seed in (9, 2, 9)])[1:2])
+
+
+@pytest.mark.parametrize("row", [[0.0, 0.0, 0.0], [float("nan"), 1.0, 1.0]], ids=["zeros", "nan"])
+def test_a_draw_from_a_distribution_without_mass_raises(row):
+    """A row whose processors left no token (or whose logits were NaN) fails loudly, as `torch.multinomial` did,
+    never a token picked silently."""
+    with pytest.raises(RuntimeError, match="no mass"):
+        draw(torch.tensor([[0.2, 0.3, 0.5], row]), [None, None])
