@@ -16,8 +16,8 @@ from transformers import LogitsProcessorList
 from transformers.generation import logits_process
 
 LOCAL_PROCESSORS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper")
-CONTEXT_FREE_PROCESSORS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
-                           "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper", "TopHLogitsWarper")
+CONTEXT_FREE_PROCESSORS = LOCAL_PROCESSORS + ("TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper",
+                                              "TopHLogitsWarper")
 
 
 @dataclass
@@ -92,8 +92,8 @@ def top_k_local(processor) -> bool:
     """Whether `processor` (temperature, top-k, top-p, min-p, each filling with -inf) maps scores that are -inf
     outside a set of tokens to scores that are -inf outside it, computed from that set's scores alone: then, after a
     top-k warper, it can be applied to the k kept scores instead of the whole vocabulary."""
-    local = tuple(getattr(logits_process, name) for name in LOCAL_PROCESSORS if hasattr(logits_process, name))
-    return isinstance(processor, local) and getattr(processor, "filter_value", -float("inf")) == -float("inf")
+    return (isinstance(processor, warper_classes(LOCAL_PROCESSORS))
+            and getattr(processor, "filter_value", -float("inf")) == -float("inf"))
 
 
 def top_k_candidates(warper, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -115,8 +115,13 @@ def top_k_candidates(warper, scores: torch.Tensor) -> tuple[torch.Tensor, torch.
 def context_free(logits_processor: LogitsProcessorList | None) -> bool:
     """Whether every processor ignores the token ids (temperature, top-k, top-p, ...): then one batched call over
     every position gives what per-position calls with their own contexts give."""
-    free = tuple(getattr(logits_process, name) for name in CONTEXT_FREE_PROCESSORS if hasattr(logits_process, name))
+    free = warper_classes(CONTEXT_FREE_PROCESSORS)
     return all(isinstance(processor, free) for processor in (logits_processor or []))
+
+
+def warper_classes(names: tuple[str, ...]) -> tuple[type, ...]:
+    """The classes of transformers' `logits_process` named in `names` that this transformers has."""
+    return tuple(getattr(logits_process, name) for name in names if hasattr(logits_process, name))
 
 
 def ends_row_only(error: BaseException) -> bool:

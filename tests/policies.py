@@ -10,9 +10,9 @@ class EveryChoice(VerifyPolicy):
     (both: only a greedy row of an engine that verifies trees, else its lookup; a lookup with no continuation: the
     block; no drafter: nothing). In an engine that verifies trees, every odd round verifies at least one tree where a
     greedy row has a lookup (the first such row whose turn was its lookup or nothing verifies both, when no row's turn
-    for both had one: rows of a server join at any round), every even round verifies no tree (a row's turn for both is its lookup) and each
-    lookup whole (a long round, `RoundPlan.long`, where a continuation goes past a
-    block's drafts). With `short_every`, every such call is a short round where the policy has one
+    for both had one: rows of a server join at any round), every even round verifies no tree (a row's turn for both
+    is its lookup) and each lookup whole (a long round, `RoundPlan.long`, where a continuation goes past a block's
+    drafts). With `short_every`, every such call is a short round where the policy has one
     (`VerifyPolicy.short_width`) and a row has a continuation: each such row verifies its first `short_drafts`, the
     others nothing; it does not count as a round of the turns above. Its decisions read nothing of the round's
     verification, as the real policy's."""

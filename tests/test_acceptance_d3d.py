@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 import torch
-
-from transformers import LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers import (LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
+                          TopPLogitsWarper)
 
 from distribution import chi_square_p_value
 from modeling_d3d.acceptance_d3d import RowProcessors, block_verify, draw, rejection_sample
