@@ -148,29 +148,29 @@ def process(logits_processor: LogitsProcessorList | None, contexts: torch.Tensor
 
 
 def choose(logits: torch.Tensor, do_sample: bool, generator: torch.Generator | None) -> torch.Tensor:
-    """Tokens `(n,)` from processed logits `(n, vocab)`: argmax, or a draw from their softmax."""
+    """Draft tokens `(n,)` from processed logits `(n, vocab)`: argmax, or a draw from their softmax. A position
+    without mass (its processors left no token, or NaN logits) gets a token inside the vocabulary, so the verify
+    pass can read it; verification never keeps it (its q has no mass: `usable_drafts`)."""
     if not do_sample:
         return logits.argmax(-1)
-    return draw(logits.softmax(-1), [generator] * logits.shape[0])
+    return draw(logits.softmax(-1), [generator] * logits.shape[0]).clamp_(max=logits.shape[-1] - 1)
 
 
 def draw(weights: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token `(rows,)` per row of `weights` `(rows, vocab)` (>= 0, each row's sum > 0), drawn with probability
-    proportional to its weight, row r with `generators[r]` (None: the global one): where one uniform draw falls in
-    the row's cumulative weights, summed in float64. `torch.multinomial` draws an exponential per token of the
-    vocabulary instead (about 85 us a row of 4096 on a CPU: 1.3 ms for a block's 15 drafts, 1.4 % of a small target's
-    sampled step). A row without mass (NaN, or nothing but zeros: processors that left every score -inf) raises, as
-    `torch.multinomial` does, where the weights are on the CPU; on a GPU (no read of the weights: it would stall the
-    host before the round's one read) its token is `vocab`, outside the vocabulary."""
+    """One token `(rows,)` per row of `weights` `(rows, vocab)` (>= 0), drawn with probability proportional to its
+    weight, row r with `generators[r]` (None: the global one): where one uniform draw falls in the row's cumulative
+    weights, summed in float64. `torch.multinomial` draws an exponential per token of the vocabulary instead (about
+    85 us a row of 4096 on a CPU: 1.3 ms for a block's 15 drafts, 1.4 % of a small target's sampled step). A row
+    without mass (NaN, or nothing but zeros: processors that left every score -inf) gets the token `vocab`, outside
+    the vocabulary, on every device (no read of the weights, which on a GPU would stall the host before the round's
+    one read): the engine ends such a row with an error after that read, and the other rows go on."""
     cumulative = weights.to(torch.float64).cumsum(-1)
     total = cumulative[:, -1:]
-    if weights.device.type == "cpu" and not bool((total > 0).all()):  # NaN compares false
-        raise RuntimeError("A sampling distribution has no mass: its probabilities are NaN or all zero (every "
-                           "score -inf after the logits processors?)")
     uniform = torch.cat([torch.rand(1, dtype=torch.float64, device=weights.device, generator=g) for g in generators])
     # below the total (a draw of 1 - 2^-53 could round up to it): the first column past it has a weight > 0
     below = torch.minimum(uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cumulative, below, right=True)[:, 0]
+    tokens = torch.searchsorted(cumulative, below, right=True)[:, 0]
+    return torch.where(total[:, 0] > 0, tokens, weights.shape[-1])  # NaN compares false
 
 
 def drafts_from_logits(raw: torch.Tensor, contexts: list[list[int]], sampling: list[RowSampling],
@@ -216,6 +216,7 @@ def rejection_sample(drafts: torch.Tensor, num_drafts: torch.Tensor, draft_logit
     if drafts.shape[1] == 0:
         return _without_drafts(target_logits, generators)
     p, q, p_draft, q_draft = _draft_probabilities(drafts, draft_logits, target_logits)
+    num_drafts = usable_drafts(num_drafts, q_draft)
     draws = _uniforms(drafts, generators, p.device)
     real = torch.arange(drafts.shape[1], device=p.device) < num_drafts[:, None]
     accepted = ((draws * q_draft < p_draft) & real).long().cumprod(1).sum(1)  # u < p/q: never a token p excludes
@@ -234,6 +235,7 @@ def block_verify(drafts: torch.Tensor, num_drafts: torch.Tensor, draft_logits: t
     if drafts.shape[1] == 0:
         return _without_drafts(target_logits, generators)
     p, q, p_draft, q_draft = _draft_probabilities(drafts, draft_logits, target_logits)
+    num_drafts = usable_drafts(num_drafts, q_draft)
     rows, m = drafts.shape
     scale = [torch.ones(rows, device=p.device, dtype=p.dtype)]  # a_0 .. a_m
     for j in range(m):
@@ -268,6 +270,16 @@ def _draft_probabilities(drafts: torch.Tensor, draft_logits: torch.Tensor, targe
     return p, q, p_draft, q_draft
 
 
+def usable_drafts(num_drafts: torch.Tensor, q_draft: torch.Tensor) -> torch.Tensor:
+    """`num_drafts` `(rows,)` cut before each row's first draft to which q gives no probability (`q_draft` `(rows,
+    m)`, each draft's q: 0, or NaN where the drafter's logits were NaN or its processors left no token): such a draft
+    was not drawn from q, and p / q would keep it; verification stops before it (the row's next token is then drawn
+    from p there). On the device, no read."""
+    unusable = ~(q_draft > 0)  # NaN compares false
+    first = torch.where(unusable.any(1), unusable.long().argmax(1), unusable.shape[1])  # argmax: the first one
+    return torch.minimum(num_drafts, first)
+
+
 def _uniforms(drafts: torch.Tensor, generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
     """One uniform draw `(rows, m)` per draft, from each row's generator."""
     return torch.stack([torch.rand(drafts.shape[1], generator=g, device=device) for g in generators])
@@ -289,4 +301,5 @@ def _finish(drafts: torch.Tensor, num_drafts: torch.Tensor, accepted: torch.Tens
 
 
 __all__ = ["CONTEXT_FREE_PROCESSORS", "RowProcessors", "RowSampling", "block_verify", "choose", "context_free", "draw",
-           "drafts_from_logits", "ends_row_only", "greedy_accept", "process", "rejection_sample"]
+           "drafts_from_logits", "ends_row_only", "greedy_accept", "process", "rejection_sample",
+           "usable_drafts"]

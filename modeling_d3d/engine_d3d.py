@@ -509,8 +509,12 @@ class SpeculativeEngine:
             error = failed.get(r)
             if error is None:
                 try:
-                    added, finished = self._stop(row, host[r][1 : host[r][0] + 2], logits[r])
-                except BaseException as raised:  # this row's criteria failed: it leaves, the others go on
+                    added = host[r][1 : host[r][0] + 2]
+                    if max(added) >= self.vocab_size:  # a draw from p without mass (`acceptance_d3d.draw`)
+                        raise RuntimeError("A row's sampling distribution has no mass: the target's probabilities are "
+                                           "NaN or all zero (its logits processors left every score -inf?)")
+                    added, finished = self._stop(row, added, logits[r])
+                except BaseException as raised:  # this row's tokens or criteria failed: it leaves, the others go on
                     if not ends_row_only(raised):
                         raise
                     error = raised

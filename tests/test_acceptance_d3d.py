@@ -164,8 +164,34 @@ def test_draws_follow_each_rows_weights_with_its_own_generator():
 
 
 @pytest.mark.parametrize("row", [[0.0, 0.0, 0.0], [float("nan"), 1.0, 1.0]], ids=["zeros", "nan"])
-def test_a_draw_from_a_distribution_without_mass_raises(row):
-    """A row whose processors left no token (or whose logits were NaN) fails loudly, as `torch.multinomial` did,
-    never a token picked silently."""
-    with pytest.raises(RuntimeError, match="no mass"):
-        draw(torch.tensor([[0.2, 0.3, 0.5], row]), [None, None])
+def test_a_draw_from_a_distribution_without_mass_gives_a_token_outside_the_vocabulary(row):
+    """A row whose processors left no token (or whose logits were NaN) gets the token `vocab`, never a token picked
+    silently (the engine ends that row with an error), on any device; the other rows are drawn as ever."""
+    weights = torch.tensor([[0.2, 0.3, 0.5], row, [0.0, 0.0, 1.0]])
+    assert draw(weights, [None, None, None]).tolist()[1:] == [3, 2]
+
+
+@pytest.mark.parametrize("verify", [rejection_sample, block_verify], ids=["token", "block"])
+@pytest.mark.parametrize("bad", ["zero", "nan"])
+def test_a_draft_to_which_q_gives_nothing_is_never_kept_and_the_next_token_follows_p(verify, bad):
+    """A draft that q gives no probability (the drafter's processed logits left it -inf, or were NaN) was not drawn
+    from q: p / q would keep it every time. Verification stops before it: the drafts before it are judged as usual,
+    and at its position the token follows p. Fails when the row's drafts are all judged (the old code)."""
+    p = torch.tensor([0.1, 0.6, 0.3]).log()
+    q = torch.tensor([0.5, 0.25, 0.25]).log()
+    unusable = torch.tensor([0.0, float("-inf"), 0.0] if bad == "zero" else [float("nan")] * 3)
+    drafts = torch.tensor([[0, 1, 2]])  # the second draft: q gives it nothing
+    draft_logits = torch.stack([q, unusable, q])[None]
+    target_logits = p.expand(1, 4, 3)
+    generators = [torch.Generator().manual_seed(5)]
+    kept, after_first = Counter(), Counter()
+    for _ in range(4000):
+        accepted, tokens = verify(drafts, torch.tensor([3]), draft_logits, target_logits, generators)
+        kept[accepted.item()] += 1
+        if accepted.item() == 1:
+            after_first[(tokens[0, 1].item(),)] += 1
+    assert set(kept) == {0, 1} and kept[1] > 0
+    expected = {(token,): prob.item() for token, prob in enumerate(p.exp())}
+    assert chi_square_p_value(after_first, expected, sum(after_first.values())) > 1e-3
+
+

@@ -230,6 +230,42 @@ def test_a_failing_row_ends_with_its_error_and_the_others_finish(kind):
         assert outputs[key] == alone(target, prompts[key], 20)
 
 
+class LeavesNothingAfter(LogitsProcessor):
+    """A sampled row's processor that leaves every score -inf from its `calls`-th use on (on the drafter's logits and
+    the target's alike): the row's distribution has no mass."""
+
+    def __init__(self, calls: int):
+        self.calls = calls
+        self.lock = threading.Lock()
+
+    def __call__(self, input_ids, scores):
+        with self.lock:
+            self.calls -= 1
+            return scores if self.calls > 0 else torch.full_like(scores, float("-inf"))
+
+
+@pytest.mark.parametrize("kind", [None, *SOURCES])
+def test_a_sampled_row_without_mass_ends_with_a_clear_error_and_the_others_finish(kind):
+    """A row whose processors leave no token ends with its own error ("no mass"), on the CPU as a GPU would (no read
+    of the weights before the round's one read): the batch's other rows finish as the target alone decodes them, its
+    drafts from a q without mass are never kept, and no token outside the vocabulary reaches a pass. Before, a CPU
+    raised inside the batched draw and the whole round failed (and a GPU would feed the token `vocab` to the next
+    pass)."""
+    target, drafter = pair(0, 4, 12)
+    prompts = {0: [1, 2, 3], 1: [4, 5, 6, 7, 8], 2: [9]}
+    decoder = engine_for(target, drafter if kind else None, kind or "sync")
+    for key, prompt in prompts.items():
+        bad = key == 1
+        decoder.add(key, prompt, RowSettings(20, do_sample=bad, seed=4, logits_processor=LogitsProcessorList(
+            [LeavesNothingAfter(5)] if bad else [])))
+    outputs = {}
+    errors = drive(decoder, outputs)
+    assert list(errors) == [1] and "no mass" in str(errors[1])
+    assert all(0 <= token < 12 for token in outputs.get(1, []))
+    for key in (0, 2):
+        assert outputs[key] == alone(target, prompts[key], 20)
+
+
 class NeedsScale(LogitsProcessor):
     """A processor that takes an argument besides `(input_ids, scores)`, which no row passes."""
 
