@@ -7,7 +7,9 @@
 Rows live in cache slots `0..rows-1` of a preallocated `StaticKVCache` per model; a round writes the target's
 `[anchor, drafts]` at each row's own columns and commits what it accepts by moving the row's length (nothing is
 cropped, concatenated or gathered). When rows leave, the rows after them move up in order to fill slots
-`0..rows-1` (one row copy per moved row, `StaticKVCache.move_row`). A row's committed length lives in its cache
+`0..rows-1` (one row copy per moved row, `StaticKVCache.move_row`). A row that joins is prefilled whole, and the
+logits of its last prompt token decide its first token, as `generate`'s prefill does (`add_rows`; the next `step`
+reports those tokens before any pass). A row's committed length lives in its cache
 (`StaticKVCache.committed[slot]`, the target's and the drafter's each, changed only by `StaticKVCache.commit`). Without a
 source the engine decodes the target alone, one token per round, through the same loop. Every round is written to
 one `RoundRecord`, which the benchmark, the Space, the model card and the server read.
@@ -136,7 +138,9 @@ class RoundTiming:
 class RoundRecord:
     """The only round record: totals over every round of an engine, and the latest rounds (bounded, for servers).
 
-    rounds: engine rounds; row_rounds: rounds summed over rows; new_tokens; accepted[n]: row rounds that added n
+    rounds: engine rounds (the first tokens of rows that joined together, decided by their prefill, are a round
+    of their own, with no pass and no time: the prefill's is in `prefill_seconds`); row_rounds: rounds summed over
+    rows; new_tokens; accepted[n]: row rounds that added n
     tokens; verified[kind]: row rounds that verified nothing, the drafter's block, a lookup or both (`policy_d3d`);
     long_lookups: of the lookups, those verified whole past a block's drafts (`RoundPlan.long`, a pass of a tree's
     width); short_lookups: of the lookups, those of which only the first drafts were verified (a short round);
@@ -284,6 +288,7 @@ class SpeculativeEngine:
                 each.allocate(max_rows, max_length + 1)
         self.clock = Clock(self.device)
         self.rows: list[Row] = []
+        self.pending: list[RoundOutcome] = []  # the first tokens of rows that joined, decided by their prefill
         self.round_record = RoundRecord(keep=keep_rounds)
 
     def __len__(self) -> int:
@@ -306,7 +311,8 @@ class SpeculativeEngine:
 
     @torch.no_grad()
     def add(self, key: Hashable, prompt: list[int], settings: RowSettings, drafter_prompt: list[int] | None = None) -> None:
-        """Prefill `prompt` (all but its last token) in the target, give the drafter source the drafter's prompt (the
+        """Prefill `prompt` in the target and decide the row's first token from its last logits, as `generate` does
+        (reported by the next `step`), give the drafter source the drafter's prompt and that token (the prompt is the
         same unless given: selective prefill; it prefills on the row's first block round), and join the batch
         (`add_rows` of one request)."""
         self.add_rows([(key, prompt, settings, drafter_prompt)])
@@ -315,15 +321,17 @@ class SpeculativeEngine:
     def add_rows(self, requests: list[tuple[Hashable, list[int], RowSettings, list[int] | None]]) -> None:
         """`add` for each request `(key, prompt, settings, drafter_prompt)`, every one checked before any joins; the
         new rows take their slots shortest prompt first, so that rows of similar lengths share a prefill pass
-        (`passes_d3d.prefill`). Each row's random draws are seeded in the order of `requests`. No request: nothing
-        runs (no device synchronisation)."""
+        (`passes_d3d.prefill`), whose logits of each row's last prompt token decide its first token (processed,
+        accepted and stopped as a round's, `_accept`: one device-to-host read); the next `step` reports those tokens
+        (a round of its own, before any pass; a row whose first token ends it leaves then). Each row's random draws
+        are seeded in the order of `requests`. No request: nothing runs (no device synchronisation)."""
         if not requests:
             return
         keys = [key for key, *_ in requests]
         for key, prompt, settings, drafter_prompt in requests:
             self.check_request(prompt, settings, drafter_prompt)
             if drafter_prompt is not None and drafter_prompt[-1] != prompt[-1]:
-                raise ValueError("The drafter's prompt must end with the target's last prompt token (the first anchor)")
+                raise ValueError("The drafter's prompt must end with the target's last prompt token (both go on from it)")
             if keys.count(key) > 1 or any(row.key == key for row in self.rows):
                 raise ValueError(f"A row with key {key!r} is already in the batch")
         if len(self.rows) + len(requests) > self.max_rows:
@@ -331,7 +339,8 @@ class SpeculativeEngine:
             raise ValueError(f"The engine holds {self.max_rows} rows already{asked}")
         rows = sorted((self._new_row(*request) for request in requests), key=lambda row: len(row.prompt))
         start, first = time.perf_counter(), len(self.rows)
-        prefill(self.target, self.cache, first, [row.prompt[:-1] for row in rows])
+        logits = prefill(self.target, self.cache, first, [row.prompt for row in rows], last_logits=True)
+        self.pending += self._accept(None, logits, [NOTHING] * len(rows), rows=rows, first_slot=first)
         for each in (self.source, self.lookup):
             if each is not None:
                 each.add(first, [row.drafter_context for row in rows])
@@ -351,6 +360,7 @@ class SpeculativeEngine:
 
     def remove(self, keys: set[Hashable]) -> None:
         """Drop the rows whose key is in `keys` (cancelled requests)."""
+        self.pending = [outcome for outcome in self.pending if outcome.key not in keys]
         self._keep([i for i, row in enumerate(self.rows) if row.key not in keys])
 
     def _keep(self, indices: list[int]) -> None:
@@ -369,9 +379,16 @@ class SpeculativeEngine:
 
     @torch.no_grad()
     def step(self) -> list[RoundOutcome]:
-        """One round for every row; finished and failed rows leave. An exception of a per-row step (its logits
+        """One round for every row (or, after rows joined, the round of their first tokens, `add_rows`); finished and
+        failed rows leave. An exception of a per-row step (its logits
         processors, criteria; any but a Ctrl-C, see `acceptance_d3d.ends_row_only`) ends that row only, with the error
         in its outcome; an exception of a batched pass propagates (call `reset` before going on)."""
+        if self.pending:  # the first tokens of rows that joined (their prefill's round): reported before any pass
+            outcomes, self.pending = self.pending, []
+            self._keep([i for i, row in enumerate(self.rows)
+                        if not any(outcome.finished and outcome.key == row.key for outcome in outcomes)])
+            self.round_record.add(outcomes, 0, RoundTiming(0.0, 0.0, 0.0, 0.0))  # its time: the prefill's
+            return outcomes
         if not self.rows:
             return []
         start = self.clock.mark()
@@ -463,16 +480,18 @@ class SpeculativeEngine:
         return run_pass(self.target, self.cache, layout, width, forward=self.forward, tail=tail)
 
     def _accept(self, proposal: Proposal | None, logits: torch.Tensor, choices: list[str],
-                long: list[bool] | None = None) -> list[RoundOutcome]:
+                long: list[bool] | None = None, rows: list[Row] | None = None, first_slot: int = 0) -> list[RoundOutcome]:
         """Steps 4-6 of a round over the target's logits `(rows, width, vocab)` (a tree round's: both branches,
-        `verify`) for rows that verified `choices` (`long`: `RoundPlan.long`). Returns the outcomes (a failed row's: no
-        tokens, finished, its error)."""
+        `verify`) for rows that verified `choices` (`long`: `RoundPlan.long`): the batch's rows, or `rows` in slots
+        `first_slot..` (rows joining, `add_rows`). Returns the outcomes (a failed row's: no tokens, finished, its
+        error)."""
+        rows = self.rows if rows is None else rows
         failed: dict[int, BaseException] = dict(proposal.errors) if proposal is not None else {}
         if proposal is not None:
             drafts, num_drafts = proposal.drafts.to(self.device), proposal.num_drafts.to(self.device)
         else:
-            drafts = torch.zeros(len(self.rows), 0, dtype=torch.long, device=self.device)
-            num_drafts = torch.zeros(len(self.rows), dtype=torch.long, device=self.device)
+            drafts = torch.zeros(len(rows), 0, dtype=torch.long, device=self.device)
+            num_drafts = torch.zeros(len(rows), dtype=torch.long, device=self.device)
         tree = proposal is not None and proposal.second is not None
         if tree:  # the second branch follows the same anchor: its logits are column 0's and its own columns
             logits, second = logits[:, : self.width], torch.cat([logits[:, :1], logits[:, self.width :]], dim=1)
@@ -480,19 +499,19 @@ class SpeculativeEngine:
         # fail leaves)
         width = logits.shape[1]  # a row verifies 1 column, or a block's, or (a long lookup) all of them
         short = 1 < width < self.width  # a short round: lookups' first drafts
-        logits = self._process(logits, drafts, failed, [1 if c == NOTHING else width if long and long[r]
+        logits = self._process(rows, logits, drafts, failed, [1 if c == NOTHING else width if long and long[r]
                                                         else min(width, self.width) for r, c in enumerate(choices)])
         # 5. accept: greedy matching, rejection sampling for sampled rows; then the round's one device-to-host read
-        sampled = [r for r, row in enumerate(self.rows) if row.settings.do_sample and r not in failed]
-        mixed = 0 < len(sampled) < len(self.rows)
-        if len(sampled) < len(self.rows):  # greedy rows (and failed ones, whose tokens are never read)
+        sampled = [r for r, row in enumerate(rows) if row.settings.do_sample and r not in failed]
+        mixed = 0 < len(sampled) < len(rows)
+        if len(sampled) < len(rows):  # greedy rows (and failed ones, whose tokens are never read)
             accepted, tokens = greedy_accept(drafts, num_drafts, logits)
         if sampled:
             index = torch.tensor(sampled, device=self.device) if mixed else slice(None)
             q = (proposal.logits.to(self.device)[index] if proposal is not None
                  else logits.new_zeros(len(sampled), 0, logits.shape[-1]))
             drawn = self.verify_sampled(drafts[index], num_drafts[index], q, logits[index],
-                                        [self.rows[r].verify_rng for r in sampled])
+                                        [rows[r].verify_rng for r in sampled])
             if mixed:
                 accepted[index], tokens[index] = drawn
             else:
@@ -505,7 +524,7 @@ class SpeculativeEngine:
         host = torch.cat(columns, dim=1).cpu().tolist()
         # 6. stop and commit: each row cut where the target alone stops; the target's cache commits what it keeps
         outcomes = []
-        for r, row in enumerate(self.rows):
+        for r, row in enumerate(rows):
             error = failed.get(r)
             if error is None:
                 try:
@@ -526,10 +545,10 @@ class SpeculativeEngine:
                 took_second, *branches = host[r][-3:]
                 branch = LOOKUP if took_second else BLOCK
                 if took_second:  # its accepted drafts' keys and values go to the columns of their positions
-                    start = self.cache.committed[r]
-                    self.cache.move_columns(r, start + self.width, start + 1, len(added) - 1)
+                    start = self.cache.committed[first_slot + r]
+                    self.cache.move_columns(first_slot + r, start + self.width, start + 1, len(added) - 1)
             row.generated += added
-            self.cache.commit(r, self.cache.committed[r] + len(added))
+            self.cache.commit(first_slot + r, self.cache.committed[first_slot + r] + len(added))
             outcomes.append(RoundOutcome(
                 row.key, added, finished, accepted_drafts=min(host[r][0], len(added)),
                 from_branch=proposal is not None and proposal.hits[r] and branch != LOOKUP, verified=choices[r],
@@ -546,23 +565,23 @@ class SpeculativeEngine:
         tokens `(rows, B)` and logits `(rows, B, vocab)` of the kept branches, and per row `[took the second, first
         kept, second kept]`."""
         drafts = proposal.second.to(self.device)
-        second = self._process(second, drafts, failed, [second.shape[1] if tree else 0 for tree in trees])
+        second = self._process(self.rows, second, drafts, failed, [second.shape[1] if tree else 0 for tree in trees])
         kept, kept_tokens = greedy_accept(drafts, proposal.num_second.to(self.device), second)
         take = kept > accepted
         branches = torch.stack([take.long(), accepted, kept], dim=1)
         return (torch.where(take, kept, accepted), torch.where(take[:, None], kept_tokens, tokens),
                 torch.where(take[:, None, None], second, logits), branches)
 
-    def _process(self, logits: torch.Tensor, drafts: torch.Tensor, failed: dict[int, BaseException],
+    def _process(self, rows: list[Row], logits: torch.Tensor, drafts: torch.Tensor, failed: dict[int, BaseException],
                  columns: list[int]) -> torch.Tensor:
-        """Each row's logits processors over the first `columns[r]` of its logits `(width, vocab)` (the ones it
+        """Each of `rows`' logits processors over the first `columns[r]` of its logits `(width, vocab)` (the ones it
         verifies; the rest, padding, left as they are: no processor sees a context it did not verify), position j
         with the row's tokens and the drafts before j as context; a row whose processing fails is put in `failed`
         (its logits are left as they are)."""
-        if not any(row.settings.logits_processor for row in self.rows):
+        if not any(row.settings.logits_processor for row in rows):
             return logits
         processed = []
-        for r, row in enumerate(self.rows):
+        for r, row in enumerate(rows):
             count = columns[r]
             if count == 0:
                 processed.append(logits[r])
@@ -607,7 +626,7 @@ class SpeculativeEngine:
         if self.policy is not None:
             for row in self.rows:
                 self.policy.forget(id(row))
-        self.rows = []
+        self.rows, self.pending = [], []
 
     def close(self) -> None:
         """Stop the source's worker, if any; return the caches to their pools (compiled passes)."""

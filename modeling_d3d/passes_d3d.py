@@ -133,10 +133,11 @@ class PassLayoutBuilder:
 
 
 @torch.no_grad()
-def run_pass(model, cache: StaticKVCache, layout: PassLayout, logits_to_keep: int, first_row: int = 0,
+def run_pass(model, cache: StaticKVCache, layout: PassLayout, logits_to_keep: int | torch.Tensor, first_row: int = 0,
              forward=None, tail: torch.Tensor | None = None, float32: bool = True) -> torch.Tensor:
     """One forward of `model` (a target or a drafter) over `layout` on cache rows `first_row..`; returns the logits of
-    the last `logits_to_keep` input columns, `(rows, logits_to_keep, vocab)`, float32 (or the model's dtype with
+    the last `logits_to_keep` input columns (a host tensor: those input columns, eager passes only), `(rows, kept,
+    vocab)`, float32 (or the model's dtype with
     `float32=False`, for callers that only rank them). `forward`: a `CompiledForward` to use instead: it attends over
     every cache column (eager passes: the columns in use, `shapes_d3d.attended_columns`), with fixed shapes over every
     slot too (the added rows' logits are dropped), and its logits are a copy (a CUDA graph's outputs are overwritten by
@@ -163,7 +164,7 @@ def run_pass(model, cache: StaticKVCache, layout: PassLayout, logits_to_keep: in
     # passes attend over every cache column and always need theirs)
     mask = (None if forward is None and layout.sees_every_column(kv_length)
             else interval_mask(model.config, prefix_end, own_start, own_end, kv_length, model.dtype))
-    keep = logits_to_keep
+    keep = logits_to_keep if isinstance(logits_to_keep, int) else move(logits_to_keep, device)
     if forward is not None:  # the kept columns as a tensor: its length is a dynamic dimension, an int a guard
         width = ids.shape[1]
         keep = torch.arange(width - logits_to_keep, width, device=device)
@@ -313,18 +314,24 @@ GROUP_COLUMNS = 8192  # and while its columns (rows x longest) stay within this 
 
 
 def prefill(model, cache: StaticKVCache, first_slot: int, token_rows: list[list[int]],
-            starts: int | list[int] = 0) -> None:
-    """Commit `token_rows[i]` (prompts without their last token) to cache row `first_slot + i`, whose first `starts[i]`
-    columns hold its first tokens already (an int: every row's start), in one eager pass per group of consecutive rows
-    (`prefill_groups`, by what each row has left), each row's part as wide as its group's widest: a row with less left
-    re-reads tokens before its start (the same keys and values again) where it has them, else is right-padded, so a
-    padding column writes only past a row's end within its group's width, which nothing has committed and no real
-    column sees (the next pass overwrites it) and which lies in the cache (a row padded past its own start could reach
-    past the cache's last column). `cache.committed[first_slot + i]` becomes `len(token_rows[i])`."""
+            starts: int | list[int] = 0, last_logits: bool = False) -> torch.Tensor | None:
+    """Commit `token_rows[i]` to cache row `first_slot + i`, whose first `starts[i]` columns hold its first tokens
+    already (an int: every row's start), in one eager pass per group of consecutive rows (`prefill_groups`, by what
+    each row has left), each row's part as wide as its group's widest: a row with less left re-reads tokens before its
+    start (the same keys and values again) where it has them, else is right-padded, so a padding column writes only
+    past a row's end within its group's width, which nothing has committed and no real column sees (the next pass
+    overwrites it) and which lies in the cache (a row padded past its own start could reach past the cache's last
+    column). `cache.committed[first_slot + i]` becomes `len(token_rows[i])`.
+    last_logits: return the logits `(rows, 1, vocab)` float32 of each row's last token (every row must have one left),
+    whose keys and values are written but not committed (`len(token_rows[i]) - 1`): that token is the anchor of the
+    round the logits decide, as a verify pass writes its anchor before the round keeps it."""
     starts = [starts] * len(token_rows) if isinstance(starts, int) else starts
     if any(not 0 <= start <= len(tokens) for tokens, start in zip(token_rows, starts)):
         raise RuntimeError("A prefill from past a row's tokens (its cache would hold more than its context)")
     left = [len(tokens) - start for tokens, start in zip(token_rows, starts)]
+    if last_logits and not all(left):
+        raise RuntimeError("A prefill for the logits of a row's last token with no token left to read")
+    kept: list[torch.Tensor] = []
     for first, count in prefill_groups(left):
         rows = range(first, first + count)
         width = max(left[row] for row in rows)
@@ -332,9 +339,15 @@ def prefill(model, cache: StaticKVCache, first_slot: int, token_rows: list[list[
             group_starts = [max(0, min(starts[row], len(token_rows[row]) - width)) for row in rows]
             tails = [token_rows[row][start:] for row, start in zip(rows, group_starts)]
             ids = torch.tensor([tail + [0] * (width - len(tail)) for tail in tails])
-            run_pass(model, cache, PassLayout.causal(ids, torch.tensor(group_starts)), 1, first_row=first_slot + first)
+            columns = sorted({len(tail) - 1 for tail in tails})  # each row's last token (right-padded rows: earlier)
+            logits = run_pass(model, cache, PassLayout.causal(ids, torch.tensor(group_starts)),
+                              torch.tensor(columns) if last_logits else 1, first_row=first_slot + first,
+                              float32=last_logits)
+            if last_logits:
+                kept += [logits[i, columns.index(len(tail) - 1)] for i, tail in enumerate(tails)]
     for i, tokens in enumerate(token_rows):
-        cache.commit(first_slot + i, len(tokens))
+        cache.commit(first_slot + i, len(tokens) - last_logits)
+    return torch.stack(kept)[:, None] if last_logits else None
 
 
 def prefill_groups(lengths: list[int]) -> list[tuple[int, int]]:

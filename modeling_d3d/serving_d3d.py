@@ -280,14 +280,16 @@ class D3DBatchServer:
             free = self.max_batch_size - len(self._queues.active)
             admitted, self._queues.waiting = waiting[:free], waiting[free:]
         self.engine.remove(cancelled)
+        with self._condition:  # active before they join: should joining end the scheduler, they end with it
+            self._queues.active.update((handle.request_id, handle) for handle in admitted)
         try:  # each checked by `submit`; one prefill pass per group of similar lengths
             self.engine.add_rows([(handle.request_id, handle.prompt, handle.settings, None) for handle in admitted])
         except Exception as error:  # a prefill that failed fails the requests it was for; the others go on
+            with self._condition:
+                for handle in admitted:
+                    del self._queues.active[handle.request_id]
             for handle in admitted:
                 handle._fail(error)
-            admitted = []
-        with self._condition:
-            self._queues.active.update((handle.request_id, handle) for handle in admitted)
         self._round()
         return True
 

@@ -183,17 +183,20 @@ def stop_criteria() -> StoppingCriteriaList:
 
 @pytest.mark.parametrize("criteria", [False, True], ids=["plain", "stop strings"])
 def test_a_greedy_sync_round_reads_the_device_once_and_uploads_each_pass_in_one_copy(criteria):
-    """Greedy rows through block drafting: per `step()`, one device-to-host read (the accepted tokens) and two
-    uploads (the block pass's layout and the verify pass's, its anchors folded in; the drafts stay on the device),
-    and one more in the first round, whose drafter prefill of the rows that joined is a pass of its own (a prompt of
-    6 tokens is more than B = 4 behind); with stop strings too (they read host ids, not device ones); and the rows
-    still equal the target alone."""
+    """Greedy rows through block drafting: a row's `add` reads its first token (decided by its prefill) once; the
+    step that reports those tokens runs nothing; then per `step()`, one device-to-host read (the accepted tokens)
+    and two uploads (the block pass's layout and the verify pass's, its anchors folded in; the drafts stay on the
+    device), and one more in the first round, whose drafter prefill of the rows that joined is a pass of its own (a
+    prompt of 6 tokens is more than B = 4 behind); with stop strings too (they read host ids, not device ones); and
+    the rows still equal the target alone."""
     target, drafter = pair(3)
     engine = SpeculativeEngine(target, BlockSource(drafter), max_rows=2, max_length=64)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9]]
     for key, prompt in enumerate(prompts):
         stops = stop_criteria() if criteria else StoppingCriteriaList()
-        engine.add(key, prompt, RowSettings(12, stopping_criteria=stops))
+        with HostSyncs([target, drafter], [engine.cache, engine.source.cache], [engine.device]) as syncs:
+            engine.add(key, prompt, RowSettings(12, stopping_criteria=stops))
+        assert syncs.reads == 1
     counts, outputs = [], {}
     while len(engine):
         with HostSyncs([target, drafter], [engine.cache, engine.source.cache], [engine.device]) as syncs:
@@ -201,7 +204,7 @@ def test_a_greedy_sync_round_reads_the_device_once_and_uploads_each_pass_in_one_
         counts.append((syncs.reads, syncs.uploads))
         for outcome in outcomes:
             outputs.setdefault(outcome.key, []).extend(outcome.added)
-    assert len(counts) >= 3 and counts[0] == (1, 3) and set(counts[1:]) == {(1, 2)}, counts
+    assert len(counts) >= 4 and counts[:2] == [(0, 0), (1, 3)] and set(counts[2:]) == {(1, 2)}, counts
     for key, prompt in enumerate(prompts):
         assert outputs[key] == alone(target, prompt, 12, stopping_criteria=stop_criteria() if criteria else None)
 
@@ -266,6 +269,7 @@ def test_background_drafting_is_ordered_by_fences_recorded_before_they_are_waite
     engine = SpeculativeEngine(target, SuccessorSource(drafter, 3, 2), max_rows=2, max_length=64)
     for key, prompt in enumerate([[1, 2, 3], [4, 5, 6, 7]]):
         engine.add(key, prompt, RowSettings(16))
+    assert [len(outcome.added) for outcome in engine.step()] == [1, 1] and not log  # from the prefill: no pass
     synchronized.clear()
     rounds = 0
     while len(engine):

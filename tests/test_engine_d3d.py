@@ -114,6 +114,30 @@ def test_rows_stop_at_their_own_eos_and_the_others_go_on():
     assert stopped_early > 0 and went_on > 0
 
 
+def test_the_first_token_comes_from_the_prefill_as_generates_does():
+    """A row's prefill reads its whole prompt, and the logits of its last token decide its first token, as
+    `generate`'s prefill does: the target alone makes N tokens in N target passes, as `generate` does (before: N + 1,
+    the prefill stopped before the prompt's last token and the first round read it again); the step that reports
+    the first token runs no pass; the tokens are the target's."""
+    target = tiny_target(2)
+    prompt = [1, 2, 3, 4]
+    references = {new: alone(target, prompt, new) for new in (1, 5)}
+    calls = []
+    hook = target.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        for new, reference in references.items():
+            calls.clear()
+            decoder = SpeculativeEngine(target, None, max_rows=1, max_length=64)
+            decoder.add(0, prompt, RowSettings(new))
+            (first,) = decoder.step()
+            assert len(calls) == 1 and first.added == reference[:1] and first.finished == (new == 1)
+            outputs = {0: first.added}
+            drive(decoder, outputs)
+            assert len(calls) == new and outputs[0] == reference
+    finally:
+        hook.remove()
+
+
 def test_a_row_stopping_at_eos_leaves_the_batch_at_once():
     target, drafter = pair(0, 4, 96)
     always_predicts(target, 7)
@@ -121,9 +145,9 @@ def test_a_row_stopping_at_eos_leaves_the_batch_at_once():
     decoder = engine_for(target, drafter)
     decoder.add("stops", [1, 2, 3], RowSettings(max_new_tokens=40, eos_token_ids=frozenset({7})))
     decoder.add("runs", [4, 5], RowSettings(max_new_tokens=9))
-    first = {o.key: o for o in decoder.step()}
+    first = {o.key: o for o in decoder.step()}  # the first tokens, from the prefill
     assert first["stops"].added == [7] and first["stops"].finished
-    assert first["runs"].added == [7, 7, 7, 7] and not first["runs"].finished
+    assert first["runs"].added == [7] and not first["runs"].finished
     assert [row.key for row in decoder.rows] == ["runs"]
     outputs = {"runs": first["runs"].added}
     drive(decoder, outputs)
@@ -165,12 +189,13 @@ def test_requests_joining_mid_run_match_the_target_alone_without_recomputing_pre
     drafter_shapes.stop()
     for key, prompt in prompts.items():
         assert outputs[key] == alone(target, prompt, limits[key]), key
-    prefills = [(1, len(p) - 1) for p in prompts.values() if len(p) > 1]
+    prefills = [(1, len(p)) for p in prompts.values()]
     rounds = [shape for shape in target_shapes.shapes if shape not in prefills]
     assert all(width == 16 for _, width in rounds)  # after its prefill a row costs one block per round, nothing more
-    assert sum(rows for rows, _ in rounds) == decoder.round_record.row_rounds
+    joins = 3  # rounds of the rows' first tokens, decided by their prefills (a, b; c; d, e): no pass of their own
+    assert sum(rows for rows, _ in rounds) == decoder.round_record.row_rounds - len(prompts)
     drafts = [shape for shape in drafter_shapes.shapes if shape not in prefills]
-    assert len(drafts) == decoder.round_record.rounds and all(width <= 2 * 16 for _, width in drafts)
+    assert len(drafts) == decoder.round_record.rounds - joins and all(width <= 2 * 16 for _, width in drafts)
 
 
 def test_removing_a_row_leaves_the_others_unchanged_greedy_and_sampled():
@@ -312,6 +337,7 @@ def test_a_failing_batched_pass_raises_and_reset_recovers():
         raise RuntimeError("boom")
 
     handle = drafter.model.layers[1].register_forward_pre_hook(explode)
+    assert [outcome.added for outcome in decoder.step()] == [alone(target, [1, 2, 3], 1)]  # from the prefill
     with pytest.raises(RuntimeError, match="boom"):
         decoder.step()
     handle.remove()
@@ -599,7 +625,7 @@ def check_record(record: RoundRecord, block_size: int) -> None:
 
 @pytest.mark.parametrize("path", ["sync", "async", "alone"])
 def test_the_round_record_of_a_generate_call_adds_up_to_its_output(path):
-    target, drafter = pair(1, 5, 8)
+    target, drafter = pair(3, 5, 8)  # models whose asynchronous run serves rows from prepared branches
     generator = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 8, (n,), generator=generator) for n in (1, 6, 13, 4)]
     eos = alone(target, prompts[1], 21)[3]  # a token the target generates: a row stops at it
@@ -678,7 +704,7 @@ def test_requests_of_similar_lengths_share_one_prefill_pass_and_decode_as_alone(
         decoder.add_rows([(key, prompt, RowSettings(8), None) for key, prompt in enumerate(prompts)])
         assert calls == {"target": 2, "drafter": 0}
         outputs = {}
-        assert drive(decoder, outputs, rounds=1) == {}
+        assert drive(decoder, outputs, rounds=2) == {}  # the first tokens (from the prefill), then a round
     finally:
         for hook in hooks:
             hook.remove()

@@ -150,13 +150,13 @@ def test_every_row_of_a_left_padded_batch_is_token_identical_to_the_target_alone
 
 
 class StopAfterToken(StoppingCriteria):
-    """A custom criterion: a row is done once it generated `token`."""
+    """A custom criterion: a row is done once its last `times` tokens are `token`."""
 
-    def __init__(self, token: int):
-        self.token = token
+    def __init__(self, token: int, times: int = 1):
+        self.token, self.times = token, times
 
     def __call__(self, input_ids, scores, **kwargs):
-        return input_ids[:, -1] == self.token
+        return (input_ids[:, -self.times :] == self.token).all(-1)
 
 
 STOP_VOCAB = 12
@@ -166,10 +166,11 @@ WORDS = STOP_VOCAB - 3  # ids of plain words
 PAD = TOKENIZER.pad_token_id
 
 
-def stop_kwargs(kind: str, token: int) -> dict:
+def stop_kwargs(kind: str, token: int, times: int = 1) -> dict:
+    """Stop once the last `times` tokens are `token`: a stop string, or a criterion of one's own."""
     if kind == "stop_strings":
-        return dict(stop_strings=[TOKENIZER.convert_ids_to_tokens(token)], tokenizer=TOKENIZER)
-    return dict(stopping_criteria=StoppingCriteriaList([StopAfterToken(token)]))
+        return dict(stop_strings=[TOKENIZER.decode([token] * times)], tokenizer=TOKENIZER)
+    return dict(stopping_criteria=StoppingCriteriaList([StopAfterToken(token, times)]))
 
 
 def test_stop_string_criteria_passed_to_custom_generate_directly_are_lossless():
@@ -211,19 +212,20 @@ STOP_PATHS = ["sync", "async", "selective-prefill", "every-choice"]
 @pytest.mark.parametrize("kind", ["stop_strings", "criteria"])
 @pytest.mark.parametrize("path", STOP_PATHS)
 def test_a_stop_in_the_middle_of_an_accepted_block_stops_exactly_there(kind, path):
-    """A drafter that always agrees: every round would accept a whole block; the stop fires at the first token, so
-    accepting the block and then checking would return B tokens instead of one."""
+    """A drafter that always agrees: every round would accept a whole block; the stop fires at the second token (the
+    first comes from the prefill), the first of the first round's block, so accepting the block and then checking
+    would return B tokens instead of one."""
     target, drafter = pair(STOP_VOCAB, 4, 0)
     always_predicts(target, 7)
     always_predicts(drafter, 7)
     ids = torch.tensor([[1, 2, 3, 4, 5, 6, 8, 9]])
-    kwargs = dict(max_new_tokens=12, do_sample=False, **stop_kwargs(kind, 7))
+    kwargs = dict(max_new_tokens=12, do_sample=False, **stop_kwargs(kind, 7, times=2))
     out, prompt, record = run_path(path, target, drafter, ids, **kwargs)
     reference = target.generate(prompt, **kwargs)
-    assert reference.shape[1] == prompt.shape[1] + 1 and torch.equal(out, reference)
-    assert record.new_tokens == 1 and record.rounds == 1
+    assert reference.shape[1] == prompt.shape[1] + 2 and torch.equal(out, reference)
+    assert record.new_tokens == 2 and record.rounds == 2  # the first token's round (the prefill's), then one
     _, _, unstopped = run_path(path, target, drafter, ids, max_new_tokens=12, do_sample=False)
-    assert len(unstopped.history[0][0][0].added) == 4  # without the stop, that round adds a whole block
+    assert len(unstopped.history[1][0][0].added) == 4  # without the stop, that round adds a whole block
 
 
 def stop_inside_a_round(record: RoundRecord, position: int) -> bool:

@@ -24,6 +24,9 @@ from modeling_d3d.policy_d3d import (BLOCK, BOTH, FULL, LONG, LOOKUP, NOTHING, S
 from policies import EveryChoice
 
 REPEATING = [1, 5, 2, 7, 3, 1, 5, 2, 7, 3, 1, 5]  # its suffix [1, 5] occurred before: lookups find [2, 7, 3, ...]
+# every token of the vocabulary followed its last token (5) before: whatever a row's first token (its prefill's),
+# its first round finds a lookup (what followed that pair)
+EVERY_NEXT = [5, 0, 5, 1, 5, 2, 5, 3, 5, 4, 5, 6, 5, 7, 5, 5]
 
 
 def test_a_lookup_continues_the_longest_suffix_where_the_text_before_it_agrees_longest():
@@ -387,7 +390,8 @@ def test_a_policy_choosing_a_tree_for_a_sampled_row_is_refused(sampling_models):
     engine = SpeculativeEngine(target, BlockSource(drafter), max_rows=1, max_length=64,
                                lookup=LookupSource(4, min_ngram=2), policy=SampledTrees(4))
     try:
-        engine.add(0, REPEATING, RowSettings(4, True, logits_processor=processors(), seed=0))
+        engine.add(0, EVERY_NEXT, RowSettings(4, True, logits_processor=processors(), seed=0))
+        engine.step()  # its first token, from the prefill
         with pytest.raises(RuntimeError, match="both proposals for a row that samples"):
             engine.step()
     finally:
@@ -538,7 +542,7 @@ def test_chooser_settings_of_the_wrong_kind_are_refused_in_one_line(lookup, poli
 def sampling_models():
     target = tiny_target(11, vocab_size=VOCAB)
     drafter = D3DForBlockDiffusion.from_backbone(tiny_target(12, vocab_size=VOCAB), block_size=4).eval()
-    return target, drafter, exact_distribution(target, torch.tensor([REPEATING]))
+    return target, drafter, exact_distribution(target, torch.tensor([EVERY_NEXT]))
 
 
 class PeekingEngine(SpeculativeEngine):
@@ -566,7 +570,7 @@ class PeekingEngine(SpeculativeEngine):
 
 
 def sampled_counts(target, drafter, kind: str) -> tuple[Counter, SpeculativeEngine]:
-    """SAMPLES sampled rows of REPEATING through an engine with lookup, up to 64 at a time, each its own seed, beside
+    """SAMPLES sampled rows of EVERY_NEXT through an engine with lookup, up to 64 at a time, each its own seed, beside
     one greedy row at all times (a new one when it ends), whose trees put the sampled rows in tree rounds."""
     engine_class = PeekingEngine if kind == "peeking" else SpeculativeEngine
     source = SuccessorSource(drafter, 3, 2) if kind == "async" else BlockSource(drafter)
@@ -575,17 +579,17 @@ def sampled_counts(target, drafter, kind: str) -> tuple[Counter, SpeculativeEngi
                           policy=EveryChoice(4, short_drafts=1, short_every=6))
     counts, outputs, queue, greedy = Counter(), {}, list(range(SAMPLES)), 0
     try:
-        engine.add(("greedy", greedy), REPEATING, RowSettings(NEW_TOKENS))
+        engine.add(("greedy", greedy), EVERY_NEXT, RowSettings(NEW_TOKENS))
         while queue or any(isinstance(row.key, int) for row in engine.rows):
             joining = [queue.pop() for _ in range(min(len(queue), 65 - len(engine)))]  # prefilled together
-            engine.add_rows([(index, REPEATING, RowSettings(NEW_TOKENS, True, logits_processor=processors(), seed=index),
+            engine.add_rows([(index, EVERY_NEXT, RowSettings(NEW_TOKENS, True, logits_processor=processors(), seed=index),
                               None) for index in joining])
             for outcome in engine.step():
                 assert outcome.error is None
                 if not isinstance(outcome.key, int):
                     if outcome.finished:
                         greedy += 1
-                        engine.add(("greedy", greedy), REPEATING, RowSettings(NEW_TOKENS))
+                        engine.add(("greedy", greedy), EVERY_NEXT, RowSettings(NEW_TOKENS))
                     continue
                 outputs.setdefault(outcome.key, []).extend(outcome.added)
                 if outcome.finished:
@@ -647,10 +651,11 @@ def test_synchronous_and_asynchronous_drafting_each_keep_their_own_costs():
 
     synchronous = decode()
     (policy,) = drafter.d3d_verify_policies.values()
-    assert passes(policy) == synchronous.rounds
+    verified = synchronous.rounds - 1  # the first token's round (the prefill's) runs no pass
+    assert passes(policy) == verified
     for budget in ((2, 1), (3, 2)):
         asynchronous = decode(asynchronous=True, coverage=budget[0], fanout=budget[1])
-        assert asynchronous.rounds > 0 and passes(policy) == synchronous.rounds  # not counted in the sync policy
+        assert asynchronous.rounds > 0 and passes(policy) == verified  # not counted in the sync policy
     assert len(drafter.d3d_verify_policies) == 3  # sync, and one per async budget
     with D3DBatchServer(target, drafter, max_batch_size=1, asynchronous=True, coverage=2, fanout=1) as server:
         assert server.engine.policy is make_chooser(False, True, 4, drafter, drafting=("async", 2, 1))[1]
@@ -793,8 +798,9 @@ def test_drafting_is_priced_without_the_drafters_prefill_of_rows_that_joined():
     policy = EveryChoice(4)  # row 0 verifies the drafter's block in round 1
     engine = SpeculativeEngine(target, BlockSource(drafter), max_rows=1, max_length=400, policy=policy)
     engine.add(0, torch.randint(0, VOCAB, (300,), generator=torch.Generator().manual_seed(0)).tolist(), RowSettings(4))
+    engine.step()  # its first token, from the prefill
     outcomes = engine.step()
     assert outcomes[0].verified == BLOCK and policy.pass_counts[("drafter", 1)] == 1
-    (_, timing), = engine.round_record.history
+    _, timing = engine.round_record.history[-1]
     assert 0.0 < policy.measured[("drafter", 1)] < timing.exposed_draft
     engine.close()

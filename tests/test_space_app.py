@@ -75,7 +75,10 @@ def test_live_kinds_and_statistics_agree_with_the_engine_and_the_target(space_mo
     assert live.hit_rate == pytest.approx(record.branch_hits / record.lookups)
     assert live.tau == pytest.approx(len(reference) / len(live.rounds))
     context = prompt_ids[0].tolist()
-    for round_, outcome in zip(live.rounds, outcomes):
+    first, *rounds = zip(live.rounds, outcomes)
+    assert first[0].served == "no draft" and first[0].kinds == [TARGET]  # the first token, decided by the prefill
+    context += first[0].tokens
+    for round_, outcome in rounds:
         assert round_.kinds == [CACHE if outcome.from_branch else DRAFT] * outcome.accepted_drafts + [TARGET] * (
             len(round_.tokens) - outcome.accepted_drafts)
         assert round_.served == ("cache hit" if outcome.from_branch else "drafting pass")
@@ -155,7 +158,8 @@ def test_a_smaller_block_drafts_fewer_tokens_and_stays_lossless(space_models):
     *_, (alone, d3d) = compare_live(target, drafter, tokenizer, prompt_ids, settings)
     assert d3d.tokens == alone.tokens == greedy_text(target, tokenizer, PROMPT, 30)[0]
     assert max(d3d.accepted_lengths) <= 3 and len(d3d.rounds) < len(alone.rounds)
-    assert all(round_.served != "no draft" for round_ in d3d.rounds)  # the block every round
+    assert all(round_.served != "no draft" for round_ in d3d.rounds[1:])  # the block every round after the first
+    # token's (the prefill's)
 
 
 def test_prompt_lookup_beside_the_drafter_stays_lossless_and_colours_its_tokens(space_models):
