@@ -385,8 +385,8 @@ class SpeculativeEngine:
         in its outcome; an exception of a batched pass propagates (call `reset` before going on)."""
         if self.pending:  # the first tokens of rows that joined (their prefill's round): reported before any pass
             outcomes, self.pending = self.pending, []
-            self._keep([i for i, row in enumerate(self.rows)
-                        if not any(outcome.finished and outcome.key == row.key for outcome in outcomes)])
+            ended = {outcome.key for outcome in outcomes if outcome.finished}
+            self._keep([i for i, row in enumerate(self.rows) if row.key not in ended])
             self.round_record.add(outcomes, 0, RoundTiming(0.0, 0.0, 0.0, 0.0))  # its time: the prefill's
             return outcomes
         if not self.rows:
