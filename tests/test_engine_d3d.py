@@ -236,8 +236,11 @@ class FailsAfter(LogitsProcessor):
         with self.lock:
             self.calls -= 1
             if self.calls <= 0:
-                raise RuntimeError("injected drafting failure")
+                return self.fail(scores)
         return scores
+
+    def fail(self, scores):
+        raise RuntimeError("injected drafting failure")
 
 
 @pytest.mark.parametrize("kind", SOURCES)
@@ -255,18 +258,12 @@ def test_a_failing_row_ends_with_its_error_and_the_others_finish(kind):
         assert outputs[key] == alone(target, prompts[key], 20)
 
 
-class LeavesNothingAfter(LogitsProcessor):
+class LeavesNothingAfter(FailsAfter):
     """A sampled row's processor that leaves every score -inf from its `calls`-th use on (on the drafter's logits and
     the target's alike): the row's distribution has no mass."""
 
-    def __init__(self, calls: int):
-        self.calls = calls
-        self.lock = threading.Lock()
-
-    def __call__(self, input_ids, scores):
-        with self.lock:
-            self.calls -= 1
-            return scores if self.calls > 0 else torch.full_like(scores, float("-inf"))
+    def fail(self, scores):
+        return torch.full_like(scores, float("-inf"))
 
 
 @pytest.mark.parametrize("kind", [None, *SOURCES])
