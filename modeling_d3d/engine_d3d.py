@@ -340,13 +340,14 @@ class SpeculativeEngine:
         rows = sorted((self._new_row(*request) for request in requests), key=lambda row: len(row.prompt))
         start, first = time.perf_counter(), len(self.rows)
         logits = prefill(self.target, self.cache, first, [row.prompt for row in rows], last_logits=True)
-        self.pending += self._accept(None, logits, [NOTHING] * len(rows), rows=rows, first_slot=first)
+        firsts = self._accept(None, logits, [NOTHING] * len(rows), rows=rows, first_slot=first)
         for each in (self.source, self.lookup):
             if each is not None:
                 each.add(first, [row.drafter_context for row in rows])
         synchronize(self.device)
         self.round_record.prefill_seconds += time.perf_counter() - start
-        self.rows.extend(rows)
+        self.rows.extend(rows)  # with their first tokens, together: rows that failed to join report nothing
+        self.pending += firsts
 
     def _new_row(self, key: Hashable, prompt: list[int], settings: RowSettings, drafter_prompt: list[int] | None) -> Row:
         """A checked request's `Row`, its generators seeded from `settings.seed` (None: a draw from torch's)."""

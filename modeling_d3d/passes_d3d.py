@@ -340,10 +340,12 @@ def prefill(model, cache: StaticKVCache, first_slot: int, token_rows: list[list[
             tails = [token_rows[row][start:] for row, start in zip(rows, group_starts)]
             ids = torch.tensor([tail + [0] * (width - len(tail)) for tail in tails])
             columns = sorted({len(tail) - 1 for tail in tails})  # each row's last token (right-padded rows: earlier)
-            logits = run_pass(model, cache, PassLayout.causal(ids, torch.tensor(group_starts)),
-                              torch.tensor(columns) if last_logits else 1, first_row=first_slot + first, float32=False)
+            keep = torch.tensor(columns) if last_logits and columns != [width - 1] else 1  # an int where it can be
+            logits = run_pass(model, cache, PassLayout.causal(ids, torch.tensor(group_starts)), keep,
+                              first_row=first_slot + first, float32=False)
             if last_logits:
-                kept += [logits[i, columns.index(len(tail) - 1)] for i, tail in enumerate(tails)]
+                kept += [logits[i, columns.index(len(tail) - 1) if isinstance(keep, torch.Tensor) else 0]
+                         for i, tail in enumerate(tails)]
     for i, tokens in enumerate(token_rows):
         cache.commit(first_slot + i, len(tokens) - last_logits)
     return torch.stack(kept)[:, None].float() if last_logits else None

@@ -294,6 +294,14 @@ class D3DBatchServer:
         return True
 
     def _round(self) -> None:
+        """One engine round, delivered; after a step that only reported the first tokens of rows that joined (no
+        pass), one more: every loop of the scheduler advances the rows it held, however often requests arrive."""
+        joined = bool(self.engine.pending)
+        self._step()
+        if joined and len(self.engine):
+            self._step()
+
+    def _step(self) -> None:
         try:
             outcomes = self.engine.step()
         except BaseException as error:  # a batched pass failed: its rows cannot be trusted, they fail

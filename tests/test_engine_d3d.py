@@ -19,6 +19,7 @@ from modeling_d3d.acceptance_d3d import rejection_sample
 from modeling_d3d.acceptance_d3d import RowSampling
 from modeling_d3d.caches_d3d import StaticKVCache
 from modeling_d3d.generation_d3d import speculative_generate
+from modeling_d3d.lookup_d3d import LookupSource
 from modeling_d3d.passes_d3d import prefill, run_pass
 from modeling_d3d.policy_d3d import VerifyPolicy
 from modeling_d3d.sources_d3d import block_pass_layout
@@ -136,6 +137,32 @@ def test_the_first_token_comes_from_the_prefill_as_generates_does():
             assert len(calls) == new and outputs[0] == reference
     finally:
         hook.remove()
+
+
+def test_rows_that_fail_to_join_report_no_first_token():
+    """`add_rows` decides the first tokens before the sources take the rows; should a source refuse them then, the
+    rows do not join and no first token of theirs is reported (a key added again would have had two)."""
+    target = tiny_target(2)
+    reference = alone(target, [1, 2, 3], 3)
+
+    class Refuses(LookupSource):
+        refuse = True
+
+        def add(self, first_slot, contexts):
+            if self.refuse:
+                raise RuntimeError("refused")
+            super().add(first_slot, contexts)
+
+    lookup = Refuses(4)
+    decoder = SpeculativeEngine(target, None, max_rows=2, max_length=64, lookup=lookup)
+    with pytest.raises(RuntimeError, match="refused"):
+        decoder.add("a", [1, 2, 3], RowSettings(3))
+    assert len(decoder) == 0 and decoder.step() == []
+    lookup.refuse = False
+    decoder.add("a", [1, 2, 3], RowSettings(3))
+    outputs = {}
+    drive(decoder, outputs)
+    assert outputs == {"a": reference}
 
 
 def test_a_row_stopping_at_eos_leaves_the_batch_at_once():

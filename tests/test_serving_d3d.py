@@ -74,6 +74,42 @@ def test_concurrent_requests_stream_their_own_tokens(models, asynchronous, choos
         assert set(record.verified) == ({"nothing", "block", "lookup", "both"} if chooser else {"nothing", "block"})
 
 
+def test_every_scheduler_loop_advances_the_rows_it_holds_however_often_requests_join(models):
+    """A join's first tokens come from its prefill, in a step of their own (no pass); the scheduler then runs a round
+    for every row before it admits more, so rows in flight advance while short requests keep joining (before, a loop
+    that admitted requests only reported their first tokens)."""
+    target, drafter = models
+    requests = prompts(9, seed=5)
+    log = []
+    with D3DBatchServer(target, drafter, max_batch_size=4) as server:
+        engine = server.engine
+        step, add_rows = engine.step, engine.add_rows
+
+        def logged_step():
+            first_tokens = bool(engine.pending)
+            outcomes = step()
+            log.append(("first tokens" if first_tokens else "round", len(engine)))
+            return outcomes
+
+        def logged_add_rows(rows):
+            if rows:
+                log.append(("join", len(rows)))
+            return add_rows(rows)
+
+        engine.step, engine.add_rows = logged_step, logged_add_rows
+        with server._condition:  # all waiting before the scheduler's first loop: each loop admits some
+            long = server.submit(requests[0], max_new_tokens=24)
+            short = [server.submit(prompt, max_new_tokens=1) for prompt in requests[1:]]
+        assert long.result(timeout=WAIT) == alone(target, requests[0], 24)
+        for handle, prompt in zip(short, requests[1:]):
+            assert handle.result(timeout=WAIT) == alone(target, prompt, 1)
+    joins = [i for i, (kind, _) in enumerate(log) if kind == "join"]
+    assert len(joins) >= 3  # the short requests joined over several loops
+    for i, (kind, rows) in enumerate(log):
+        if kind == "first tokens" and rows:
+            assert log[i + 1][0] == "round", log
+
+
 def test_a_finished_stream_can_be_read_again_and_bad_requests_are_refused(models):
     target, drafter = models
     with D3DBatchServer(target, drafter, max_batch_size=2) as server:

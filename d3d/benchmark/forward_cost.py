@@ -68,8 +68,8 @@ def one_row_engine(target, drafter, prefix: list[int], max_length: int, compile:
                    stack: ExitStack) -> SpeculativeEngine:
     """The engine `speculative_generate` builds for one prompt of up to `max_length` tokens (`build_engine`: the same
     sizes, compiled passes and pooled caches; drafter None: the target alone, else D3D sync), holding `prefix` as its
-    row (its last token the anchor; the target prefilled, the drafter on its first block pass, which a timer's
-    warm-up call runs); closed when `stack` closes."""
+    row (the target prefilled whole, the row's first token, which its prefill decides, the anchor; the drafter
+    prefilled on its first block pass, which a timer's warm-up call runs); closed when `stack` closes."""
     source = make_source(drafter, False, None, DEFAULT_FANOUT, None, None, compile)
     engine = build_engine(target, source, 1, max_length, compile)
     stack.callback(engine.close)
