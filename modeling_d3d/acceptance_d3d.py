@@ -275,9 +275,8 @@ def usable_drafts(num_drafts: torch.Tensor, q_draft: torch.Tensor) -> torch.Tens
     m)`, each draft's q: 0, or NaN where the drafter's logits were NaN or its processors left no token): such a draft
     was not drawn from q, and p / q would keep it; verification stops before it (the row's next token is then drawn
     from p there). On the device, no read."""
-    unusable = ~(q_draft > 0)  # NaN compares false
-    first = torch.where(unusable.any(1), unusable.long().argmax(1), unusable.shape[1])  # argmax: the first one
-    return torch.minimum(num_drafts, first)
+    usable = (q_draft > 0).long().cumprod(1).sum(1)  # the drafts before the first unusable one; NaN compares false
+    return torch.minimum(num_drafts, usable)
 
 
 def _uniforms(drafts: torch.Tensor, generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:

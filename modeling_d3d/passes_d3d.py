@@ -344,8 +344,7 @@ def prefill(model, cache: StaticKVCache, first_slot: int, token_rows: list[list[
             logits = run_pass(model, cache, PassLayout.causal(ids, torch.tensor(group_starts)), keep,
                               first_row=first_slot + first, float32=False)
             if last_logits:
-                kept += [logits[i, columns.index(len(tail) - 1) if isinstance(keep, torch.Tensor) else 0]
-                         for i, tail in enumerate(tails)]
+                kept += [logits[i, columns.index(len(tail) - 1)] for i, tail in enumerate(tails)]
     for i, tokens in enumerate(token_rows):
         cache.commit(first_slot + i, len(tokens) - last_logits)
     return torch.stack(kept)[:, None].float() if last_logits else None
