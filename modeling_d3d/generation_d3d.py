@@ -63,7 +63,7 @@ def drafting_of(source) -> Hashable:
     return "sync"
 
 
-def build_engine(model, source, rows: int, max_length: int, compile: bool = False, lookup=False,
+def build_engine(model, source, rows: int, max_length: int, compile: bool = False, lookup=None,
                  policy=None, verification: str = "block", keep_rounds: int = 100_000) -> SpeculativeEngine:
     """The engine that decodes `rows` prompts of up to `max_length` tokens (compiled: sized by
     `shapes_d3d.engine_size`); lookup, policy: see `policy_d3d.make_chooser` (a policy kept on the drafter, else on
@@ -100,7 +100,7 @@ def speculative_generate(
     compile: bool = False,
     round_record: RoundRecord | None = None,
     d3d_streamer=None,
-    lookup: bool | int = False,
+    lookup: bool | int | None = None,
     policy=None,
     verification: str = "block",
     **model_kwargs,
@@ -114,8 +114,9 @@ def speculative_generate(
     prompt the drafter reads when the target reads a reduced one (selective prefill; batch of one). compile:
     compiled verify and drafting passes (`passes_d3d.compiled_passes`, kept on the target and the drafter with their
     caches; the first calls compile, see docs/architecture.md "Compiled passes"). round_record: a `RoundRecord` to
-    fill (also left in `drafter.round_record`). lookup: prompt lookup in the engine (True, or the most drafts a
-    lookup proposes; works without a drafter); policy: what each row verifies each round is chosen for the most
+    fill (also left in `drafter.round_record`). lookup: prompt lookup in the engine (None, the default: on beside a
+    drafter unless `policy=False`, the hybrid; True, or the most drafts a lookup proposes, works without a drafter;
+    False: the drafter alone); policy: what each row verifies each round is chosen for the most
     tokens per second (None or True, the default: the `policy_d3d.VerifyPolicy` kept on the drafter; a
     `VerifyPolicy`; False: the drafter's whole block every round, the paper's rule); see `policy_d3d.make_chooser`.
     verification: how sampled rows judge their drafts, "block" (block verification) or "token" (token by token, the

@@ -491,7 +491,8 @@ def policy_for(model, block_size: int, compiled: bool, lookup: bool = False,
 
 def make_chooser(lookup, policy, block_size: int | None, holder=None, compiled: bool = False,
                  drafting: Hashable = "sync") -> tuple[LookupSource | None, "VerifyPolicy | None"]:
-    """The front doors' settings as engine parts. lookup: False, True or an integer (at most that many drafts a
+    """The front doors' settings as engine parts. lookup: None (the default: True beside a drafter whose rounds the
+    policy chooses, the hybrid, else False), False, True or an integer (at most that many drafts a
     round; True: without a drafter `B - 1`, beside one `tree_width(B) - 1`, what a long round verifies, else the
     first `B - 1`: `RoundPlan.long`). Without a drafter any number >= 1, and the verify pass is that many plus one
     columns wide; beside one at most `tree_width(B) - 1` (where the text repeats, lookups longer than a block keep
@@ -505,6 +506,8 @@ def make_chooser(lookup, policy, block_size: int | None, holder=None, compiled: 
     has_drafter = block_size is not None
     if policy is not None and not isinstance(policy, (bool, VerifyPolicy)):
         raise ValueError(f"policy must be True, False or a VerifyPolicy, got {policy!r}")
+    if lookup is None:
+        lookup = has_drafter and policy is not False
     if not isinstance(lookup, (bool, int)) or (not isinstance(lookup, bool) and lookup < 1):
         raise ValueError(f"lookup must be True, False or the most drafts a lookup proposes (an integer >= 1), "
                          f"got {lookup!r}")

@@ -159,7 +159,7 @@ class D3DBatchServer:
         fanout: int = DEFAULT_FANOUT,
         max_length: int | None = None,
         tokenizer=None,
-        lookup: bool | int = False,
+        lookup: bool | int | None = None,
         policy=None,
     ):
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:

@@ -88,7 +88,7 @@ def build_demo(
             with gr.Row():
                 temperature = gr.Slider(0, MAX_TEMPERATURE, value=defaults.temperature, step=0.05, label="temperature", info="0 is greedy")
                 max_new_tokens = gr.Slider(1, MAX_NEW_TOKENS, value=defaults.max_new_tokens, step=1, precision=0, label="max new tokens")
-                lookup = gr.Checkbox(value=defaults.lookup, label="prompt lookup",
+                lookup = gr.Checkbox(value=defaults.lookup, label="prompt lookup", elem_id="lookup",
                                      info="also draft by looking the text's latest n-gram up in the prompt and output; "
                                           "each round verifies what is expected to keep more (lookup tokens in purple)")
                 policy = gr.Checkbox(value=defaults.policy, label="verify policy", elem_id="policy",

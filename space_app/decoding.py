@@ -29,7 +29,8 @@ MAX_TEMPERATURE = 2.0
 class Settings:
     """One request's settings. block_size `b`: the drafter proposes `b - 1` tokens a round (`2 <= b <= B`, the
     drafter's trained block size); coverage `C` and fanout `F`: the asynchronous budget; temperature 0 is greedy;
-    lookup: prompt lookup beside the drafter (the hybrid: each round verifies the proposal expected to keep more);
+    lookup: prompt lookup beside the drafter (the hybrid, as every front door decodes by default: each round verifies
+    the proposal expected to keep more; off with the policy);
     policy: the verify policy (`policy_d3d`: each round verifies what is expected to pay, nothing included; off: the
     drafter's block every round, the paper's rule)."""
 
@@ -38,15 +39,16 @@ class Settings:
     fanout: int
     temperature: float
     max_new_tokens: int
-    lookup: bool = False
+    lookup: bool = True
     policy: bool = True
 
 
 def default_settings(drafter, max_new_tokens: int = 128) -> Settings:
     """What the page opens with: the drafter's trained block size, its engine's default coverage (at most B) and
-    fanout, greedy."""
-    sources, block_size = engine_modules(drafter).sources, drafter.config.block_size
-    return Settings(block_size, min(sources.DEFAULT_COVERAGE, block_size), sources.DEFAULT_FANOUT, 0.0, max_new_tokens)
+    fanout, greedy, prompt lookup where the drafter's code has it (as the front doors decode by default)."""
+    modules, block_size = engine_modules(drafter), drafter.config.block_size
+    return Settings(block_size, min(modules.sources.DEFAULT_COVERAGE, block_size), modules.sources.DEFAULT_FANOUT, 0.0,
+                    max_new_tokens, lookup=modules.policy is not None)
 
 
 def check_settings(settings: Settings, trained_block_size: int) -> None:
@@ -302,7 +304,7 @@ def warm_up(target, drafter, tokenizer, prompt: str) -> tuple[LiveDecode, LiveDe
     allocator set-up), which would fall on the target alone, decoded first. Returns the finished
     `(target_alone, d3d)`. D3D drafts every round here (the policy off), so the drafter's passes are warmed too."""
     settings = replace(default_settings(drafter, max_new_tokens=2 * drafter.config.block_size),
-                       policy=False)
+                       lookup=False, policy=False)
     alone = d3d = None
     for alone, d3d in compare_live(target, drafter, tokenizer, prepare_request(target, drafter, tokenizer, prompt,
                                                                                settings), settings):

@@ -49,11 +49,11 @@ def ragged_settings(target, ids, mask, max_new_tokens: int) -> dict:
 
 def decode(target, drafter, ids, mask, settings: dict, asynchronous: bool, record: RoundRecord | None = None,
            policy=False):
-    """Compiled D3D; policy: the drafter's block every round unless given (the default policy's choices follow
-    measured times)."""
+    """Compiled D3D, the drafter alone (no lookup); policy: the drafter's block every round unless given (the default
+    policy's choices follow measured times)."""
     return target.generate(ids, attention_mask=mask, custom_generate=speculative_generate, drafter=drafter,
                            asynchronous=asynchronous, coverage=COVERAGE, fanout=FANOUT, compile=True,
-                           round_record=record, policy=policy, **settings)
+                           round_record=record, lookup=False, policy=policy, **settings)
 
 
 def fixed_passes(*models) -> dict:

@@ -19,8 +19,8 @@ from modeling_d3d.generation_d3d import speculative_generate
 from modeling_d3d.lookup_d3d import CANDIDATES, MAX_MATCH, LookupSource, NgramIndex
 from modeling_d3d.sources_d3d import Proposal
 from modeling_d3d.policy_d3d import (BLOCK, BOTH, FULL, LONG, LOOKUP, NOTHING, SHORT_DRAFTS, RoundPlan, VerifyPolicy,
-                                     age_bucket, apply_plan, make_chooser, match_bucket, pass_kind, untangled,
-                                     verify_width)
+                                     age_bucket, apply_plan, make_chooser, match_bucket, pass_kind, tree_width,
+                                     untangled, verify_width)
 from policies import EveryChoice
 
 REPEATING = [1, 5, 2, 7, 3, 1, 5, 2, 7, 3, 1, 5]  # its suffix [1, 5] occurred before: lookups find [2, 7, 3, ...]
@@ -658,7 +658,7 @@ def test_synchronous_and_asynchronous_drafting_each_keep_their_own_costs():
         assert asynchronous.rounds > 0 and passes(policy) == verified  # not counted in the sync policy
     assert len(drafter.d3d_verify_policies) == 3  # sync, and one per async budget
     with D3DBatchServer(target, drafter, max_batch_size=1, asynchronous=True, coverage=2, fanout=1) as server:
-        assert server.engine.policy is make_chooser(False, True, 4, drafter, drafting=("async", 2, 1))[1]
+        assert server.engine.policy is make_chooser(None, True, 4, drafter, drafting=("async", 2, 1))[1]
         assert server.engine.policy is not policy
 
 
@@ -668,6 +668,27 @@ def test_the_policy_is_on_by_default_with_a_drafter_or_a_lookup_and_off_when_ask
     assert isinstance(make_chooser(True, None, None)[1], VerifyPolicy)  # lookup without a drafter
     assert make_chooser(False, False, 4, drafter) == (None, None)  # the paper's rule: the whole block every round
     assert make_chooser(False, None, None) == (None, None)  # the target alone: nothing to choose
+
+
+def test_the_front_doors_decode_with_the_hybrid_by_default_and_the_drafter_alone_when_asked():
+    """Beside a drafter the default chooser also weighs a prompt lookup (free drafts where the text repeats); without
+    the policy (the paper's fixed block) or without a drafter (the target alone) there is no lookup unless asked."""
+    target, drafter = tiny_target(0), tiny_drafter(1)
+    lookup, policy = make_chooser(None, None, 4, drafter)
+    assert isinstance(lookup, LookupSource) and lookup.max_drafts == tree_width(4) - 1
+    assert policy is make_chooser(True, None, 4, drafter)[1]  # the hybrid's own kept policy
+    assert make_chooser(None, False, 4, drafter) == (None, None)  # the paper's rule: the whole block every round
+    assert make_chooser(None, None, None) == (None, None)  # the target alone
+    assert make_chooser(False, None, 4, drafter)[0] is None  # the drafter alone
+    prompt = torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4]])
+    for asked, looked_up in ((None, True), (False, False)):
+        record = RoundRecord()
+        out = target.generate(prompt, custom_generate=speculative_generate, drafter=drafter, max_new_tokens=24,
+                              do_sample=False, round_record=record, **({} if asked is None else {"lookup": asked}))
+        assert torch.equal(out, target.generate(prompt, max_new_tokens=24, do_sample=False))
+        assert (record.verified[LOOKUP] + record.verified[BOTH] > 0) == looked_up
+    with D3DBatchServer(target, drafter, max_batch_size=1) as server:
+        assert isinstance(server.engine.lookup, LookupSource)
 
 
 def test_a_slow_pass_right_after_the_warm_up_does_not_set_the_cost():

@@ -29,7 +29,8 @@ from gradio_client import Client  # noqa: E402  (after the skip above)
 from d3d.space_app.app import build_demo  # noqa: E402
 
 # the drafter's block every round (the default verify policy's choices follow measured times)
-GREEDY = Settings(block_size=BLOCK_SIZE, coverage=4, fanout=2, temperature=0.0, max_new_tokens=40, policy=False)
+GREEDY = Settings(block_size=BLOCK_SIZE, coverage=4, fanout=2, temperature=0.0, max_new_tokens=40, lookup=False,
+                  policy=False)
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +154,8 @@ def test_an_error_while_generating_reaches_the_consumer(space_models):
 
 def test_a_smaller_block_drafts_fewer_tokens_and_stays_lossless(space_models):
     target, drafter, tokenizer = space_models
-    settings = Settings(block_size=3, coverage=4, fanout=2, temperature=0.0, max_new_tokens=30, policy=False)
+    settings = Settings(block_size=3, coverage=4, fanout=2, temperature=0.0, max_new_tokens=30, lookup=False,
+                        policy=False)
     prompt_ids = prepare_request(target, drafter, tokenizer, PROMPT, settings)
     *_, (alone, d3d) = compare_live(target, drafter, tokenizer, prompt_ids, settings)
     assert d3d.tokens == alone.tokens == greedy_text(target, tokenizer, PROMPT, 30)[0]
@@ -330,7 +332,7 @@ def test_the_space_runs_a_drafter_saved_with_the_names_before_the_rename(tmp_pat
         import app
         from decoding import CACHE, Settings, compare_live, prepare_request
         target, drafter, tokenizer = app.load_models(sys.argv[2], sys.argv[3])
-        settings = Settings(5, 4, 2, 0.0, 24, policy=False)
+        settings = Settings(5, 4, 2, 0.0, 24, lookup=False, policy=False)
         ids = prepare_request(target, drafter, tokenizer, "w1 w2", settings)
         *_, (alone, d3d) = compare_live(target, drafter, tokenizer, ids, settings)
         assert alone.tokens == d3d.tokens and len(d3d.tokens) == 24, (alone.tokens, d3d.tokens)

@@ -3,12 +3,13 @@
 Methods: the target's own `generate` (the 1.0x reference); the target alone through the engine, eager and compiled
 (its loop overhead, and the compiled baseline); Hugging Face assisted generation with an AR assistant; prompt
 lookup (transformers' loop, the ecosystem's reference, and the engine's own `lookup=True`, no drafter); D3D
-synchronous through the engine, eager and compiled (the verify policy on, as every front door runs it:
+synchronous through the engine, eager and compiled (the drafter alone, `lookup=False`, the verify policy on:
 `policy_d3d`), and with the policy off (the drafter's whole block every round, the paper's rule); the hybrid (D3D +
-the engine's lookup, one chooser per row); for sampled runs D3D sync with token-wise verification too (the
-engine's default is block verification); D3D asynchronous through the engine at the default
-(C, F) and at the best (C, F) of a sweep measured first on a few prompts (the best also compiled); D3D through
-`assistant_model=drafter` (transformers' assisted loop driving the engine's source: what that path costs). Every
+the engine's lookup, one chooser per row: what every front door runs by default); for sampled runs D3D sync with
+token-wise verification too (the engine's default is block verification); D3D asynchronous (the drafter alone)
+through the engine at the default (C, F) and at the best (C, F) of a sweep measured first on a few prompts (the
+best also compiled); D3D through `assistant_model=drafter` (transformers' assisted loop driving the engine's source:
+what that path costs). Every
 method is warmed up first (for compiled methods this first call is the compile time, reported) and every output is
 checked against the target's own: token for token when greedy; sampled (`sampling`), by a distribution check
 (`identity.sampled_consistency`), with the ceiling τ of a perfect argmax drafter on the target's own outputs beside
@@ -69,8 +70,10 @@ def compile_modes(choice: str, device: torch.device) -> list[bool]:
 def engine_kwargs(drafter=None, compiled: bool = False, coverage: int | None = None, fanout: int | None = None,
                   **chooser) -> dict:
     """`generate` arguments of the engine: the target alone (`drafter=None`), D3D sync, or async at (C, F);
-    `chooser`: `lookup=`, `policy=` (`policy_d3d.make_chooser`), `verification=`."""
-    kwargs = {"custom_generate": speculative_generate, "drafter": drafter, "compile": compiled, **chooser}
+    `chooser`: `lookup=` (default False: the drafter alone, not the front doors' hybrid), `policy=`
+    (`policy_d3d.make_chooser`), `verification=`."""
+    kwargs = {"custom_generate": speculative_generate, "drafter": drafter, "compile": compiled, "lookup": False,
+              **chooser}
     if coverage is not None:
         kwargs.update(asynchronous=True, coverage=coverage, fanout=fanout)
     return kwargs

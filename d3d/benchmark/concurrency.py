@@ -6,7 +6,8 @@ group (Hugging Face batched greedy decoding, finished rows padded until the last
 (`drafter.generate_batch`, i.e. `custom_generate=speculative_generate`) on the same group (rows leave at their own
 EOS or length), synchronous and asynchronous, and the batch server (`D3DBatchServer` of c rows, synchronous: the
 group's c requests submitted at once, decoded on its scheduler thread); statistics come from the engines'
-`RoundRecord`s.
+`RoundRecord`s. D3D runs at the front doors' defaults (the drafter and prompt lookup, one chooser per row: the hybrid),
+the fixed block with the policy off (the paper's rule).
 All count the same new tokens (each row up to its EOS); every D3D row is checked against the baseline's row. Each
 level is warmed up first.
 """

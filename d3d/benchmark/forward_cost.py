@@ -71,7 +71,7 @@ def one_row_engine(target, drafter, prefix: list[int], max_length: int, compile:
     row (the target prefilled whole, the row's first token, which its prefill decides, the anchor; the drafter
     prefilled on its first block pass, which a timer's warm-up call runs); closed when `stack` closes."""
     source = make_source(drafter, False, None, DEFAULT_FANOUT, None, None, compile)
-    engine = build_engine(target, source, 1, max_length, compile)
+    engine = build_engine(target, source, 1, max_length, compile, lookup=False)
     stack.callback(engine.close)
     engine.add(0, prefix, RowSettings(max_length - len(prefix)))
     return engine
