@@ -51,7 +51,8 @@ def build_demo(
     trained_block_size = drafter.config.block_size
     defaults = default_settings(drafter)
 
-    def generate(prompt, block_size, coverage, fanout, temperature, max_new_tokens, lookup=False, policy=True):
+    def generate(prompt, block_size, coverage, fanout, temperature, max_new_tokens, lookup=defaults.lookup,
+                 policy=defaults.policy):
         try:
             settings = Settings(
                 whole_number("block size", block_size), whole_number("coverage C", coverage),
@@ -104,6 +105,9 @@ def build_demo(
                 d3d_text = gr.HTML(tokens_html(None, "d3d"), elem_id="d3d-text", css_template=TOKENS_CSS)
         stats = gr.HTML(stats_html(None, None), elem_id="stats")
         plot = gr.HTML(rounds_svg(None, trained_block_size), elem_id="rounds-plot")
+        # a lookup needs the policy: turning the policy off turns the lookup off too (in the browser, no request)
+        policy.change(None, [policy, lookup], lookup, js="(on, looked) => looked && on", queue=False,
+                      api_visibility="private")
         inputs = [prompt, block_size, coverage, fanout, temperature, max_new_tokens, lookup, policy]
         outputs = [target_text, d3d_text, stats, plot]
         gr.on(

@@ -146,12 +146,12 @@ def test_a_prompt_streams_coloured_tokens_and_statistics_in_the_browser(browser,
         wait_for(lambda: prompt.get_property("value") == examples[1], 30, "the second example to load")
         prompt.clear()
         prompt.send_keys(PROMPT)
-        # the drafter's block every round: these tiny models' drafts show every kind of token (a lookup needs the policy)
-        for name in ("lookup", "policy"):
-            box = browser.find_element("css selector", f"#{name} input")
-            assert box.is_selected(), f"{name} is on by default, as every front door decodes"
-            box.click()
-            wait_for(lambda box=box: not box.is_selected(), 30, f"the {name} checkbox to clear")
+        # the drafter's block every round: these tiny models' drafts show every kind of token
+        lookup, policy = (browser.find_element("css selector", f"#{name} input") for name in ("lookup", "policy"))
+        assert lookup.is_selected() and policy.is_selected(), "the page opens as every front door decodes: the hybrid"
+        policy.click()
+        wait_for(lambda: not policy.is_selected(), 30, "the policy checkbox to clear")
+        wait_for(lambda: not lookup.is_selected(), 30, "the lookup, which needs the policy, to clear with it")
         browser.execute_script(RECORD_UPDATES)
         browser.find_element("css selector", "#generate").click()
 
