@@ -9,11 +9,10 @@ the engine's lookup, one chooser per row: what every front door runs by default)
 token-wise verification too (the engine's default is block verification); D3D asynchronous (the drafter alone)
 through the engine at the default (C, F) and at the best (C, F) of a sweep measured first on a few prompts (the
 best also compiled); D3D through `assistant_model=drafter` (transformers' assisted loop driving the engine's source:
-what that path costs). Every
-method is warmed up first (for compiled methods this first call is the compile time, reported) and every output is
-checked against the target's own: token for token when greedy; sampled (`sampling`), by a distribution check
-(`identity.sampled_consistency`), with the ceiling τ of a perfect argmax drafter on the target's own outputs beside
-it (`identity.ceiling_tau`: what the target's entropy allows).
+what that path costs). Every method is warmed up first (for compiled methods this first call is the compile time,
+reported) and every output is checked against the target's own: token for token when greedy; sampled
+(`sampling`), by a distribution check (`identity.sampled_consistency`), with the ceiling τ of a perfect argmax
+drafter on the target's own outputs beside it (`identity.ceiling_tau`: what the target's entropy allows).
 
 Speedups are over the fastest target-alone baseline and over plain `generate`. The ideal bounds use the engine's own
 passes on a 256-token prefix: the run's tokens times t_T(1) over the passes its rounds ran, at those costs: sync,
