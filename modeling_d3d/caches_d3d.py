@@ -7,10 +7,11 @@ outside, changed only by `commit`, `move_row` and `reset`; the engine commits th
 drafter's) is how many of its first columns hold its tokens; rejected tokens are rolled back by not counting them, and the next pass overwrites their columns. Nothing is
 reallocated, cropped or concatenated in a round.
 
-Compiled passes (`passes_d3d.CompiledForward`) attend over every column, and read rows and widths from tensor
-shapes only (no Python int of theirs reaches the compiled code), so a compiler guards on nothing that changes from
-pass to pass; the buffers are marked static addresses (CUDA graphs capture them instead of copying them) with their
-slot and column dimensions dynamic. A `CachePool` keeps caches across engines so captured graphs are replayed.
+Compiled passes (`passes_d3d.CompiledForward`) read rows, widths and the attended columns from tensor shapes only
+(`attended`: a view as long as the columns attended; no Python int of theirs reaches the compiled code), so a
+compiler guards on nothing that changes from pass to pass; with fixed shapes (CUDA graphs) they attend over every
+column. The buffers are marked static addresses (CUDA graphs capture them instead of copying them) with their slot
+and column dimensions dynamic. A `CachePool` keeps caches across engines so captured graphs are replayed.
 
 Column `c` of a row holds the token at position `c` for its committed (causal) part; block tokens of a drafting pass
 go to scratch columns after it, which are never committed.
@@ -45,6 +46,8 @@ class StaticKVCache:
         self.write_index: torch.Tensor | None = None
         self._scatter_index: torch.Tensor | None = None  # write_index expanded to a layer's states (eager passes)
         self._first_row, self._kv_length = 0, None
+        self._columns = torch.empty(capacity, dtype=torch.int8, device=device)
+        self.attended = self._columns  # `(kv_length,)`: its length is the attended columns' (compiled passes)
 
     @property
     def nbytes(self) -> int:
@@ -76,7 +79,8 @@ class StaticKVCache:
         if write_index.shape[0] != rows:
             raise RuntimeError(f"A write index of {write_index.shape[0]} rows for a pass over {rows}")
         self._first_row = first_row
-        self._kv_length = None if kv_length == self.capacity else kv_length  # None: every column (compiled passes)
+        self._kv_length = None if kv_length == self.capacity else kv_length  # None: every column
+        self.attended = self._columns[:kv_length]
         self.write_index = move(write_index, self.device)
         _, heads, _, head_dim = self.keys[0].shape
         self._scatter_index = self.write_index[:, None, :, None].expand(rows, heads, write_index.shape[1], head_dim)
@@ -85,8 +89,9 @@ class StaticKVCache:
         """Write `(rows, kv_heads, width, head_dim)` states at the planned columns; return the attended columns.
         The index every layer scatters with is expanded once a pass, in `plan` (per layer, its few small operations
         were a measurable part of an eager decoding step on small models); a compiled pass builds it in its graph,
-        from the write index's symbolic sizes."""
-        if torch.compiler.is_compiling():
+        from the write index's symbolic sizes, and attends over as many columns as `attended` is long."""
+        compiling = torch.compiler.is_compiling()
+        if compiling:
             index = self.write_index[:, None, :, None].expand_as(key_states)
         else:
             index = self._scatter_index
@@ -94,9 +99,10 @@ class StaticKVCache:
         keys, values = self.keys[layer_idx][rows], self.values[layer_idx][rows]
         keys.scatter_(2, index, key_states.to(keys.dtype))
         values.scatter_(2, index, value_states.to(values.dtype))
-        if self._kv_length is None:
+        length = self.attended.shape[0] if compiling else self._kv_length
+        if length is None:
             return keys, values
-        return keys[:, :, : self._kv_length], values[:, :, : self._kv_length]
+        return keys[:, :, :length], values[:, :, :length]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.capacity if self._kv_length is None else self._kv_length

@@ -150,7 +150,8 @@ def run_pass(model, cache: StaticKVCache, layout: PassLayout, logits_to_keep: in
     rows = layout.ids.shape[0]
     if fixed_shapes(forward):
         layout = layout.padded(cache.slots - first_row)
-    kv_length = cache.capacity if forward is not None else attended_columns(layout.kv_length(), cache.capacity, device)
+    kv_length = (cache.capacity if fixed_shapes(forward)
+                 else attended_columns(layout.kv_length(), cache.capacity, device, forward is not None))
     fields = upload(torch.stack([layout.ids, layout.positions, layout.write_index, layout.prefix_end,
                                  layout.own_start, layout.own_end]), device)
     ids, positions, write_index, prefix_end, own_start, own_end = fields.unbind(0)
@@ -161,7 +162,7 @@ def run_pass(model, cache: StaticKVCache, layout: PassLayout, logits_to_keep: in
         ids[:rows, ids.shape[1] - tail.shape[1]:] = move(tail, device)
     cache.plan(ids.shape[0], write_index, kv_length, first_row)
     # a plain decoding step attends without a mask, as `generate`'s does (sdpa's unmasked kernel is faster; compiled
-    # passes attend over every cache column and always need theirs)
+    # passes always take one: a mask or none would be two graphs)
     mask = (None if forward is None and layout.sees_every_column(kv_length)
             else interval_mask(model.config, prefix_end, own_start, own_end, kv_length, model.dtype))
     keep = logits_to_keep if isinstance(logits_to_keep, int) else move(logits_to_keep, device)
@@ -201,8 +202,8 @@ class CompiledForward:
     """The forward of one pass kind (`PASS_KINDS`), compiled; with fixed shapes called from one thread (CUDA-graph
     trees keep per-thread state; `threads` records the callers, which tests check).
 
-    Every compiled pass attends over every cache column, so the only dimensions that change are rows, input width
-    and the cache's size, marked dynamic up front (`mark_dynamic_inputs`): one compilation serves them all (a
+    The only dimensions of a compiled pass that change are rows, input width, the attended columns and the cache's
+    size, marked dynamic up front (`mark_dynamic_inputs`): one compilation serves them all (a
     dimension of size 1 compiles once more: PyTorch specialises 0 and 1). With `fixed_shapes` (CUDA graphs,
     "reduce-overhead") the shapes of a pass kind are fixed besides: rows padded to the cache's slots, drafting
     widths to their largest round, slots and cache sizes bucketed by the caller (`generation_d3d`), so a CUDA graph
@@ -221,13 +222,14 @@ class CompiledForward:
 
 def mark_dynamic_inputs(kwargs: dict) -> None:
     """Mark the dimensions a compiled pass changes dynamic before its first call (so no length, row count or cache
-    size compiles again): ids and positions `(rows, width)`, the mask `(rows, 1, width, capacity)`, the cache's
-    write index `(rows, width)`, the kept columns `(n,)` (the cache's buffers are marked when allocated,
-    `StaticKVCache`)."""
+    size compiles again): ids and positions `(rows, width)`, the mask `(rows, 1, width, attended)`, the cache's
+    write index `(rows, width)` and `attended` view `(attended,)`, the kept columns `(n,)` (the cache's buffers are
+    marked when allocated, `StaticKVCache`)."""
     for name in ("input_ids", "position_ids"):
         torch._dynamo.maybe_mark_dynamic(kwargs[name], [0, 1])
     torch._dynamo.maybe_mark_dynamic(kwargs["attention_mask"]["full_attention"], [0, 2, 3])
     torch._dynamo.maybe_mark_dynamic(kwargs["past_key_values"].write_index, [0, 1])
+    torch._dynamo.maybe_mark_dynamic(kwargs["past_key_values"].attended, 0)
     torch._dynamo.maybe_mark_dynamic(kwargs["logits_to_keep"], 0)
 
 

@@ -30,14 +30,19 @@ def engine_size(rows: int, max_length: int, fixed: bool) -> tuple[int, int]:
     return max(1 << (rows - 1).bit_length(), 2), -(-max_length // COMPILE_LENGTH_BUCKET) * COMPILE_LENGTH_BUCKET
 
 
-def attended_columns(needed: int, capacity: int, device: torch.device | str) -> int:
-    """Cache columns an eager pass attends over when it needs `needed`: on CUDA rounded up to a multiple of
-    `EAGER_CUDA_KV_BUCKET` (at most `capacity`; the mask hides the extra columns), elsewhere exactly `needed`.
+def attended_columns(needed: int, capacity: int, device: torch.device | str, compiled: bool = False) -> int:
+    """Cache columns a pass with dynamic shapes (eager, or compiled without fixed shapes) attends over when it needs
+    `needed`: on CUDA rounded up to a multiple of `EAGER_CUDA_KV_BUCKET` (at most `capacity`; the mask hides the extra
+    columns), elsewhere exactly `needed`; compiled, at least 2 (PyTorch specialises a size of 1: a one-token prompt's
+    first pass would compile once more). Passes with fixed shapes attend over every column.
 
     Attention kernels that build a plan per shape (cuDNN's SDPA, which torch >= 2.5 prefers on compute capability 9.0+
     GPUs) would otherwise build one every decoding step, each step's length being new: on an H200 with torch 2.11
     that cost 40-80 ms a step at 8 layers of Qwen3-8B, against 9-13 ms for the step itself (docs/results.md,
-    2026-12-04). On CPUs no kernel builds plans, and the exact length keeps the plain step's mask-free path."""
+    2026-12-04). On CPUs no kernel builds plans, and the exact length keeps the plain step's mask-free path (eager)
+    and attends over no column a compiled pass does not need (a cache sized for a wider engine costs nothing more)."""
+    if compiled:
+        needed = min(max(needed, 2), capacity)
     if torch.device(device).type != "cuda":
         return needed
     return min(capacity, -(-needed // EAGER_CUDA_KV_BUCKET) * EAGER_CUDA_KV_BUCKET)

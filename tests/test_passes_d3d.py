@@ -200,6 +200,29 @@ def test_after_the_warm_up_no_prompt_length_or_batch_size_compiles_again():
         release_compiled_passes(drafter)
 
 
+def test_compiled_passes_with_dynamic_shapes_attend_over_the_columns_in_use_only():
+    """Compiled by inductor (dynamic shapes, a CPU), a pass attends over the columns its rows use, not the whole
+    cache (`shapes_d3d.attended_columns`): a cache sized for a wider engine costs a pass nothing more. Columns past
+    those are NaN here: a pass reading them would give NaN logits (a masked column's weight is 0, and 0 x NaN is NaN);
+    the compiled pass's logits are the eager pass's, at two lengths in one compiled function."""
+    torch._dynamo.reset()
+    target, _ = pair(6)
+    context = torch.randint(0, VOCAB, (60,), generator=torch.Generator().manual_seed(6)).tolist()
+    forward = CompiledPasses(target, fixed=False).forward("verify")
+    for start in (30, 41):
+        logits = []
+        for pass_forward in (None, forward):
+            cache = StaticKVCache(target.config, 2, 128, "cpu", target.dtype)
+            prefill(target, cache, 0, [context[:start], context[: start - 3]])
+            for buffer in cache.keys + cache.values:
+                buffer[:, :, start + 4 :] = float("nan")
+            step = PassLayout.causal(torch.tensor([context[start : start + 4], context[start - 3 : start + 1]]),
+                                     torch.tensor([start, start - 3]))
+            logits.append(run_pass(target, cache, step, 4, forward=pass_forward))
+        assert logits[1].isfinite().all(), start
+        torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+
+
 def test_a_new_cache_size_after_plain_steps_and_blocks_compiles_nothing():
     """`compile=True` (inductor on a CPU), synchronous, every kind of round by turns (`policies.EveryChoice` with a
     lookup: the verify pass one column wide, then `B`, then a tree): after a warm-up of one row and of two, a call whose
@@ -405,8 +428,8 @@ def test_eager_passes_under_the_cuda_rule_attend_over_whole_buckets_and_stay_exa
     assert attended_columns(129, 200, "cuda") == 200 and attended_columns(129, 1000, "cpu") == 129
     widened = []
 
-    def cuda_rule(needed: int, capacity: int, device) -> int:
-        columns = attended_columns(needed, capacity, "cuda")
+    def cuda_rule(needed: int, capacity: int, device, compiled: bool = False) -> int:
+        columns = attended_columns(needed, capacity, "cuda", compiled)
         widened.append(columns > needed)
         return columns
 
