@@ -10,7 +10,7 @@ reallocated, cropped or concatenated in a round.
 Compiled passes (`passes_d3d.CompiledForward`) read rows, widths and the attended columns from tensor shapes only
 (`attended`: a view as long as the columns attended; no Python int of theirs reaches the compiled code), so a
 compiler guards on nothing that changes from pass to pass; with fixed shapes (CUDA graphs) they attend over every
-column. The buffers are marked static addresses (CUDA graphs capture them instead of copying them) with their slot
+column (`attended` None). The buffers are marked static addresses (CUDA graphs capture them instead of copying them) with their slot
 and column dimensions dynamic. A `CachePool` keeps caches across engines so captured graphs are replayed.
 
 Column `c` of a row holds the token at position `c` for its committed (causal) part; block tokens of a drafting pass
@@ -47,7 +47,7 @@ class StaticKVCache:
         self._scatter_index: torch.Tensor | None = None  # write_index expanded to a layer's states (eager passes)
         self._first_row, self._kv_length = 0, None
         self._columns = torch.empty(capacity, dtype=torch.int8, device=device)
-        self.attended = self._columns  # `(kv_length,)`: its length is the attended columns' (compiled passes)
+        self.attended: torch.Tensor | None = None  # `(kv_length,)`, whose length compiled passes attend over
 
     @property
     def nbytes(self) -> int:
@@ -70,9 +70,11 @@ class StaticKVCache:
         """Every slot empty (a cache handed to a new engine)."""
         self._committed = [0] * self.slots
 
-    def plan(self, rows: int, write_index: torch.Tensor, kv_length: int, first_row: int = 0) -> None:
+    def plan(self, rows: int, write_index: torch.Tensor, kv_length: int, first_row: int = 0,
+             fixed: bool = False) -> None:
         """Set up the next pass over slots `first_row..first_row + rows - 1`: `write_index` `(rows, width)` long cache
-        columns, `kv_length` columns attended."""
+        columns, `kv_length` columns attended; fixed: a pass with fixed shapes (every column attended: `attended` is
+        None, so that a CUDA graph takes no input for it)."""
         if first_row + rows > self.slots or kv_length > self.capacity:
             raise RuntimeError(f"A pass over {rows} rows and {kv_length} columns does not fit a cache of {self.slots} "
                              f"slots x {self.capacity} columns")
@@ -80,7 +82,7 @@ class StaticKVCache:
             raise RuntimeError(f"A write index of {write_index.shape[0]} rows for a pass over {rows}")
         self._first_row = first_row
         self._kv_length = None if kv_length == self.capacity else kv_length  # None: every column
-        self.attended = self._columns[:kv_length]
+        self.attended = None if fixed else self._columns[:kv_length]
         self.write_index = move(write_index, self.device)
         _, heads, _, head_dim = self.keys[0].shape
         self._scatter_index = self.write_index[:, None, :, None].expand(rows, heads, write_index.shape[1], head_dim)
@@ -99,7 +101,7 @@ class StaticKVCache:
         keys, values = self.keys[layer_idx][rows], self.values[layer_idx][rows]
         keys.scatter_(2, index, key_states.to(keys.dtype))
         values.scatter_(2, index, value_states.to(values.dtype))
-        length = self.attended.shape[0] if compiling else self._kv_length
+        length = (None if self.attended is None else self.attended.shape[0]) if compiling else self._kv_length
         if length is None:
             return keys, values
         return keys[:, :, :length], values[:, :, :length]
