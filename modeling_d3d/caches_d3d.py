@@ -8,10 +8,11 @@ drafter's) is how many of its first columns hold its tokens; rejected tokens are
 reallocated, cropped or concatenated in a round.
 
 Compiled passes (`passes_d3d.CompiledForward`) read rows, widths and the attended columns from tensor shapes only
-(`attended`: a view as long as the columns attended; no Python int of theirs reaches the compiled code), so a
+(`attended`: a tensor as long as the columns attended; no Python int of theirs reaches the compiled code), so a
 compiler guards on nothing that changes from pass to pass; with fixed shapes (CUDA graphs) they attend over every
-column (`attended` None). The buffers are marked static addresses (CUDA graphs capture them instead of copying them) with their slot
-and column dimensions dynamic. A `CachePool` keeps caches across engines so captured graphs are replayed.
+column (`attended` None). They write with `index_put_` on the whole buffer (`update`). The buffers are marked static
+addresses (CUDA graphs capture them instead of copying them) with their slot and column dimensions dynamic. A
+`CachePool` keeps caches across engines so captured graphs are replayed.
 
 Column `c` of a row holds the token at position `c` for its committed (causal) part; block tokens of a drafting pass
 go to scratch columns after it, which are never committed.
@@ -46,7 +47,6 @@ class StaticKVCache:
         self.write_index: torch.Tensor | None = None
         self._scatter_index: torch.Tensor | None = None  # write_index expanded to a layer's states (eager passes)
         self._first_row, self._kv_length = 0, None
-        self._columns = torch.empty(capacity, dtype=torch.int8, device=device)
         self.attended: torch.Tensor | None = None  # `(kv_length,)`, whose length compiled passes attend over
 
     @property
@@ -82,7 +82,8 @@ class StaticKVCache:
             raise RuntimeError(f"A write index of {write_index.shape[0]} rows for a pass over {rows}")
         self._first_row = first_row
         self._kv_length = None if kv_length == self.capacity else kv_length  # None: every column
-        self.attended = None if fixed else self._columns[:kv_length]
+        # not a view of a longer tensor: a compiled pass would guard on its base's size (one more graph per cache size)
+        self.attended = None if fixed else torch.empty(kv_length, dtype=torch.int8, device=self.device)
         self.write_index = move(write_index, self.device)
         _, heads, _, head_dim = self.keys[0].shape
         self._scatter_index = self.write_index[:, None, :, None].expand(rows, heads, write_index.shape[1], head_dim)
