@@ -10,7 +10,7 @@ reallocated, cropped or concatenated in a round.
 Compiled passes (`passes_d3d.CompiledForward`) read rows, widths and the attended columns from tensor shapes only
 (`attended`: a tensor as long as the columns attended; no Python int of theirs reaches the compiled code), so a
 compiler guards on nothing that changes from pass to pass; with fixed shapes (CUDA graphs) they attend over every
-column (`attended` None). They write with `index_put_` on the whole buffer (`update`). The buffers are marked static
+column. They write with `index_put_` on the whole buffer (`update`). The buffers are marked static
 addresses (CUDA graphs capture them instead of copying them) with their slot and column dimensions dynamic. A
 `CachePool` keeps caches across engines so captured graphs are replayed.
 
@@ -71,10 +71,11 @@ class StaticKVCache:
         self._committed = [0] * self.slots
 
     def plan(self, rows: int, write_index: torch.Tensor, kv_length: int, first_row: int = 0,
-             fixed: bool = False) -> None:
+             dynamic: bool = False) -> None:
         """Set up the next pass over slots `first_row..first_row + rows - 1`: `write_index` `(rows, width)` long cache
-        columns, `kv_length` columns attended; fixed: a pass with fixed shapes (every column attended: `attended` is
-        None, so that a CUDA graph takes no input for it)."""
+        columns, `kv_length` columns attended; dynamic: a compiled pass with dynamic shapes, which reads `kv_length`
+        as the length of `attended` (other passes leave it None: an eager pass reads `kv_length` itself, one with
+        fixed shapes attends over every column, and a CUDA graph then takes no input for it)."""
         if first_row + rows > self.slots or kv_length > self.capacity:
             raise RuntimeError(f"A pass over {rows} rows and {kv_length} columns does not fit a cache of {self.slots} "
                              f"slots x {self.capacity} columns")
@@ -83,7 +84,7 @@ class StaticKVCache:
         self._first_row = first_row
         self._kv_length = None if kv_length == self.capacity else kv_length  # None: every column
         # not a view of a longer tensor: a compiled pass would guard on its base's size (one more graph per cache size)
-        self.attended = None if fixed else torch.empty(kv_length, dtype=torch.int8, device=self.device)
+        self.attended = torch.empty(kv_length, dtype=torch.int8, device=self.device) if dynamic else None
         self.write_index = move(write_index, self.device)
         _, heads, _, head_dim = self.keys[0].shape
         self._scatter_index = self.write_index[:, None, :, None].expand(rows, heads, write_index.shape[1], head_dim)
@@ -94,8 +95,8 @@ class StaticKVCache:
         were a measurable part of an eager decoding step on small models). A compiled pass writes with `index_put_`
         on the whole buffer, its indices built in its graph from the write index's symbolic sizes (a `scatter_` into
         a view of a graph input compiles to a copy of the whole view and back, every layer: a cost that grows with
-        the cache, 1.5 ms a step at 2048 columns on the quickstart's target on a CPU), and attends over as many
-        columns as `attended` is long."""
+        the cache, docs/results.md 2026-12-07), and attends over as many columns as `attended` is long (None:
+        every column)."""
         rows = slice(self._first_row, self._first_row + key_states.shape[0])
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         if torch.compiler.is_compiling():

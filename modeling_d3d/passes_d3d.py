@@ -160,7 +160,7 @@ def run_pass(model, cache: StaticKVCache, layout: PassLayout, logits_to_keep: in
         ids, positions, write_index = ids.clone(), positions.clone(), write_index.clone()
     if tail is not None:
         ids[:rows, ids.shape[1] - tail.shape[1]:] = move(tail, device)
-    cache.plan(ids.shape[0], write_index, kv_length, first_row, fixed_shapes(forward))
+    cache.plan(ids.shape[0], write_index, kv_length, first_row, forward is not None and not fixed_shapes(forward))
     # a plain decoding step attends without a mask, as `generate`'s does (sdpa's unmasked kernel is faster; compiled
     # passes always take one: a mask or none would be two graphs)
     mask = (None if forward is None and layout.sees_every_column(kv_length)
@@ -223,13 +223,13 @@ class CompiledForward:
 def mark_dynamic_inputs(kwargs: dict) -> None:
     """Mark the dimensions a compiled pass changes dynamic before its first call (so no length, row count or cache
     size compiles again): ids and positions `(rows, width)`, the mask `(rows, 1, width, attended)`, the cache's
-    write index `(rows, width)` and `attended` view `(attended,)`, the kept columns `(n,)` (the cache's buffers are
-    marked when allocated, `StaticKVCache`)."""
+    write index `(rows, width)` and, with dynamic shapes, its `attended` tensor `(attended,)`, the kept columns
+    `(n,)` (the cache's buffers are marked when allocated, `StaticKVCache`)."""
     for name in ("input_ids", "position_ids"):
         torch._dynamo.maybe_mark_dynamic(kwargs[name], [0, 1])
     torch._dynamo.maybe_mark_dynamic(kwargs["attention_mask"]["full_attention"], [0, 2, 3])
     torch._dynamo.maybe_mark_dynamic(kwargs["past_key_values"].write_index, [0, 1])
-    if kwargs["past_key_values"].attended is not None:  # None: fixed shapes, every column
+    if kwargs["past_key_values"].attended is not None:  # None: fixed shapes, every column attended
         torch._dynamo.maybe_mark_dynamic(kwargs["past_key_values"].attended, 0)
     torch._dynamo.maybe_mark_dynamic(kwargs["logits_to_keep"], 0)
 
