@@ -98,19 +98,18 @@ class StaticKVCache:
         the cache, docs/results.md 2026-12-07), and attends over as many columns as `attended` is long (None:
         every column)."""
         rows = slice(self._first_row, self._first_row + key_states.shape[0])
-        keys, values = self.keys[layer_idx], self.values[layer_idx]
         if torch.compiler.is_compiling():
-            slots = torch.arange(key_states.shape[0], device=keys.device)[:, None, None] + self._first_row
-            heads = torch.arange(key_states.shape[1], device=keys.device)[None, :, None]
-            columns = self.write_index[:, None, :]
-            keys.index_put_((slots, heads, columns), key_states.to(keys.dtype))
-            values.index_put_((slots, heads, columns), value_states.to(values.dtype))
+            slots = torch.arange(key_states.shape[0], device=key_states.device)[:, None, None] + self._first_row
+            heads = torch.arange(key_states.shape[1], device=key_states.device)[None, :, None]
+            for buffer, states in ((self.keys[layer_idx], key_states), (self.values[layer_idx], value_states)):
+                buffer.index_put_((slots, heads, self.write_index[:, None, :]), states.to(buffer.dtype))
+            keys, values = self.keys[layer_idx][rows], self.values[layer_idx][rows]
             length = None if self.attended is None else self.attended.shape[0]
-        else:
-            keys[rows].scatter_(2, self._scatter_index, key_states.to(keys.dtype))
-            values[rows].scatter_(2, self._scatter_index, value_states.to(values.dtype))
+        else:  # one slice of each buffer a layer: this runs in every layer of every eager step
+            keys, values = self.keys[layer_idx][rows], self.values[layer_idx][rows]
+            keys.scatter_(2, self._scatter_index, key_states.to(keys.dtype))
+            values.scatter_(2, self._scatter_index, value_states.to(values.dtype))
             length = self._kv_length
-        keys, values = keys[rows], values[rows]
         if length is None:
             return keys, values
         return keys[:, :, :length], values[:, :, :length]

@@ -138,19 +138,19 @@ def run_pass(model, cache: StaticKVCache, layout: PassLayout, logits_to_keep: in
     """One forward of `model` (a target or a drafter) over `layout` on cache rows `first_row..`; returns the logits of
     the last `logits_to_keep` input columns (a host tensor: those input columns, eager passes only), `(rows, kept,
     vocab)`, float32 (or the model's dtype with
-    `float32=False`, for callers that only rank them). `forward`: a `CompiledForward` to use instead: it attends over
-    every cache column (eager passes: the columns in use, `shapes_d3d.attended_columns`), with fixed shapes over every
-    slot too (the added rows' logits are dropped), and its logits are a copy (a CUDA graph's outputs are overwritten by
-    its next replay).
+    `float32=False`, for callers that only rank them). A pass attends over the columns its rows use
+    (`shapes_d3d.attended_columns`); one with fixed shapes over every cache column and every slot (the added rows'
+    logits are dropped). `forward`: a `CompiledForward` to use instead; its logits are a copy (a CUDA graph's outputs
+    are overwritten by its next replay).
     tail: `(rows, n)` token ids already on a device (a verify pass's drafts), put in the last `n` input columns on the
     device, so they never go through the host.
 
     The layout goes to the device in one copy (`streams_d3d.upload`), queued without blocking the host."""
     device = cache.device
-    rows = layout.ids.shape[0]
-    if fixed_shapes(forward):
+    rows, fixed = layout.ids.shape[0], fixed_shapes(forward)
+    if fixed:
         layout = layout.padded(cache.slots - first_row)
-    kv_length = (cache.capacity if fixed_shapes(forward)
+    kv_length = (cache.capacity if fixed
                  else attended_columns(layout.kv_length(), cache.capacity, device, forward is not None))
     fields = upload(torch.stack([layout.ids, layout.positions, layout.write_index, layout.prefix_end,
                                  layout.own_start, layout.own_end]), device)
@@ -160,7 +160,7 @@ def run_pass(model, cache: StaticKVCache, layout: PassLayout, logits_to_keep: in
         ids, positions, write_index = ids.clone(), positions.clone(), write_index.clone()
     if tail is not None:
         ids[:rows, ids.shape[1] - tail.shape[1]:] = move(tail, device)
-    cache.plan(ids.shape[0], write_index, kv_length, first_row, forward is not None and not fixed_shapes(forward))
+    cache.plan(ids.shape[0], write_index, kv_length, first_row, forward is not None and not fixed)
     # a plain decoding step attends without a mask, as `generate`'s does (sdpa's unmasked kernel is faster; compiled
     # passes always take one: a mask or none would be two graphs)
     mask = (None if forward is None and layout.sees_every_column(kv_length)
