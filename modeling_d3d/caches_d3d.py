@@ -1,18 +1,23 @@
-"""Preallocated KV caches for the engine: one buffer per layer, rows packed in slots `0..rows-1`, per-row lengths.
+"""Preallocated KV caches for the engine: one key and one value buffer for every layer, rows packed in slots
+`0..rows-1`, per-row lengths.
 
 A pass writes each row's new keys and values at the cache columns the caller chooses (`write_index`), and attends
 over the first `kv_length` columns of every row, under a mask the caller builds (`masking_d3d.interval_mask`). A
 slot's *committed* length (`StaticKVCache.committed[slot]`, host bookkeeping, owned here and only here: read-only
 outside, changed only by `commit`, `move_row` and `reset`; the engine commits the target's, the drafter sources their
-drafter's) is how many of its first columns hold its tokens; rejected tokens are rolled back by not counting them, and the next pass overwrites their columns. Nothing is
-reallocated, cropped or concatenated in a round.
+drafter's) is how many of its first columns hold its tokens; rejected tokens are rolled back by not counting them,
+and the next pass overwrites their columns. Nothing is reallocated, cropped or concatenated in a round.
 
 Compiled passes (`passes_d3d.CompiledForward`) read rows, widths and the attended columns from tensor shapes only
 (`attended`: a tensor as long as the columns attended; no Python int of theirs reaches the compiled code), so a
 compiler guards on nothing that changes from pass to pass; with fixed shapes (CUDA graphs) they attend over every
-column. They write with `index_put_` on the whole buffer (`update`). The buffers are marked static
-addresses (CUDA graphs capture them instead of copying them) with their slot and column dimensions dynamic. A
-`CachePool` keeps caches across engines so captured graphs are replayed.
+column. They write with `index_put_` on the whole buffer (`update`). The keys of every layer are one tensor, and the
+values another, so a compiled pass takes the cache as two inputs, both written, whatever the model's depth: a
+compiled call's host work grows with its input tensors (dynamo's guards before it, several of them Python per
+tensor of dynamic size, and the handling of each written input), and with a buffer per layer it grew with the depth
+(docs/results.md 2026-12-07: at 36 layers a compiled plain step 18 % faster with two buffers). The buffers are marked
+static addresses (CUDA graphs capture them instead of copying them) with their slot and column dimensions dynamic.
+A `CachePool` keeps caches across engines so captured graphs are replayed.
 
 Column `c` of a row holds the token at position `c` for its committed (causal) part; block tokens of a drafting pass
 go to scratch columns after it, which are never committed.
@@ -24,7 +29,8 @@ from .streams_d3d import move
 
 
 class StaticKVCache:
-    """Keys and values `(slots, kv_heads, capacity, head_dim)` per layer, for the HF decoder's `past_key_values`.
+    """Keys and values `(layers, slots, kv_heads, capacity, head_dim)` (`key_buffer`, `value_buffer`; `keys[layer]`
+    and `values[layer]` are views of one layer's), for the HF decoder's `past_key_values`.
 
     Before each forward call `plan(rows, write_index, kv_length)`: the pass covers rows `0..rows-1`, writes its
     input column `j` of row `r` at cache column `write_index[r, j]`, and returns the columns `0..kv_length-1` for
@@ -35,12 +41,13 @@ class StaticKVCache:
         text = config.get_text_config()
         heads = text.num_key_value_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        shape = (slots, heads, capacity, head_dim)
-        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(text.num_hidden_layers)]
-        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(text.num_hidden_layers)]
-        for buffer in self.keys + self.values:
+        shape = (text.num_hidden_layers, slots, heads, capacity, head_dim)
+        self.key_buffer = torch.zeros(shape, device=device, dtype=dtype)
+        self.value_buffer = torch.zeros(shape, device=device, dtype=dtype)
+        for buffer in (self.key_buffer, self.value_buffer):
             torch._dynamo.mark_static_address(buffer)
-            torch._dynamo.maybe_mark_dynamic(buffer, [0, 2])
+            torch._dynamo.maybe_mark_dynamic(buffer, [1, 3])
+        self.keys, self.values = list(self.key_buffer.unbind(0)), list(self.value_buffer.unbind(0))
         self.slots, self.capacity, self.device = slots, capacity, torch.device(device)
         self.key = cache_key(config, slots, capacity, device, dtype)
         self._committed = [0] * slots  # per slot: its columns 0..committed-1 hold its tokens at their positions
@@ -52,7 +59,7 @@ class StaticKVCache:
     @property
     def nbytes(self) -> int:
         """Bytes of its key and value buffers."""
-        return sum(buffer.nbytes for buffer in self.keys + self.values)
+        return self.key_buffer.nbytes + self.value_buffer.nbytes
 
     @property
     def committed(self) -> tuple[int, ...]:
@@ -93,17 +100,18 @@ class StaticKVCache:
         """Write `(rows, kv_heads, width, head_dim)` states at the planned columns; return the attended columns.
         The index every layer scatters with is expanded once a pass, in `plan` (per layer, its few small operations
         were a measurable part of an eager decoding step on small models). A compiled pass writes with `index_put_`
-        on the whole buffer, its indices built in its graph from the write index's symbolic sizes (a `scatter_` into
-        a view of a graph input compiles to a copy of the whole view and back, every layer: a cost that grows with
-        the cache, docs/results.md 2026-12-07), and attends over as many columns as `attended` is long (None:
-        every column)."""
+        on the buffer of every layer's keys (values), its indices built in its graph from the layer and the write
+        index's symbolic sizes (a `scatter_` into a view of a graph input compiles to a copy of the whole view and
+        back, every layer: a cost that grows with the cache, docs/results.md 2026-12-07), and attends over as many
+        columns as `attended` is long (None: every column)."""
         rows = slice(self._first_row, self._first_row + key_states.shape[0])
         if torch.compiler.is_compiling():
+            layer = torch.full((1, 1, 1), layer_idx, dtype=torch.long, device=key_states.device)
             slots = torch.arange(key_states.shape[0], device=key_states.device)[:, None, None] + self._first_row
             heads = torch.arange(key_states.shape[1], device=key_states.device)[None, :, None]
-            for buffer, states in ((self.keys[layer_idx], key_states), (self.values[layer_idx], value_states)):
-                buffer.index_put_((slots, heads, self.write_index[:, None, :]), states.to(buffer.dtype))
-            keys, values = self.keys[layer_idx][rows], self.values[layer_idx][rows]
+            for buffer, states in ((self.key_buffer, key_states), (self.value_buffer, value_states)):
+                buffer.index_put_((layer, slots, heads, self.write_index[:, None, :]), states.to(buffer.dtype))
+            keys, values = self.key_buffer[layer_idx, rows], self.value_buffer[layer_idx, rows]
             length = None if self.attended is None else self.attended.shape[0]
         else:  # one slice of each buffer a layer: this runs in every layer of every eager step
             keys, values = self.keys[layer_idx][rows], self.values[layer_idx][rows]
@@ -124,9 +132,8 @@ class StaticKVCache:
         if from_slot == to_slot:
             return
         self._committed[to_slot] = length
-        for buffers in (self.keys, self.values):
-            for layer in buffers:
-                layer[to_slot, :, :length] = layer[from_slot, :, :length]
+        for buffer in (self.key_buffer, self.value_buffer):
+            buffer[:, to_slot, :, :length] = buffer[:, from_slot, :, :length]
 
     def move_columns(self, slot: int, source: int, target: int, count: int) -> None:
         """Copy columns `source..source+count-1` of slot `slot` to `target..` (`target + count <= source`: a tree's
@@ -135,9 +142,8 @@ class StaticKVCache:
             return
         if target + count > source:
             raise RuntimeError(f"Moving columns {source}.. to {target}.. would overlap")
-        for buffers in (self.keys, self.values):
-            for layer in buffers:
-                layer[slot, :, target : target + count] = layer[slot, :, source : source + count]
+        for buffer in (self.key_buffer, self.value_buffer):
+            buffer[:, slot, :, target : target + count] = buffer[:, slot, :, source : source + count]
 
 
 def cache_key(config, slots: int, capacity: int, device, dtype: torch.dtype) -> tuple:

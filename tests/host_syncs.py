@@ -49,7 +49,7 @@ class HostSyncs(TorchFunctionMode):
         for model in models:
             mark(list(model.parameters()) + list(model.buffers()))
         for cache in caches:
-            mark(cache.keys + cache.values)
+            mark([cache.key_buffer, cache.value_buffer] + cache.keys + cache.values)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

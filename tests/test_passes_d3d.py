@@ -223,6 +223,36 @@ def test_compiled_passes_with_dynamic_shapes_attend_over_the_columns_in_use_only
         torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
 
 
+def test_a_compiled_pass_takes_the_cache_as_two_tensors_whatever_the_models_depth():
+    """A compiled call's host work grows with the tensors it takes (dynamo's guards, several Python checks per tensor
+    of dynamic size, and the handling of each written input): a cache of one buffer per layer made it grow with the
+    model's depth (docs/results.md 2026-12-07). The real verify pass, traced by dynamo for a backend that runs the
+    captured graph eagerly: of its inputs, those holding the cache's keys and values are two, at 2 and at 4 layers,
+    and its logits are the eager pass's."""
+    for layers in (2, 4):
+        torch._dynamo.reset()
+        target = tiny_target(7, vocab_size=VOCAB, layers=layers)
+        caches = [StaticKVCache(target.config, 2, 32, "cpu", target.dtype) for _ in range(2)]
+        storages = {buffer.untyped_storage().data_ptr() for buffer in caches[1].keys + caches[1].values}
+        taken = []
+
+        def backend(graph, example_inputs):
+            taken.append(sum(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in storages
+                             for t in example_inputs))
+            return graph.forward
+
+        forward = passes_d3d.CompiledForward(torch.compile(passes_d3d.pass_function(target, "verify"),
+                                                           backend=backend), fixed_shapes=False)
+        context = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(7)).tolist()
+        logits = []
+        for cache, pass_forward in zip(caches, (None, forward)):
+            prefill(target, cache, 0, [context[:8], context[:6]])
+            step = PassLayout.causal(torch.tensor([context[8:11], context[6:9]]), torch.tensor([8, 6]))
+            logits.append(run_pass(target, cache, step, 3, forward=pass_forward))
+        assert taken == [2], (layers, taken)
+        torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+
+
 def test_a_new_cache_size_after_plain_steps_and_blocks_compiles_nothing():
     """`compile=True` (inductor on a CPU), synchronous, every kind of round by turns (`policies.EveryChoice` with a
     lookup: the verify pass one column wide, then `B`, then a tree): after a warm-up of one row and of two, a call whose
