@@ -207,16 +207,25 @@ class CompiledForward:
     dimension of size 1 compiles once more: PyTorch specialises 0 and 1). With `fixed_shapes` (CUDA graphs,
     "reduce-overhead") the shapes of a pass kind are fixed besides: rows padded to the cache's slots, drafting
     widths to their largest round, slots and cache sizes bucketed by the caller (`generation_d3d`), so a CUDA graph
-    is recorded once per bucket and replayed."""
+    is recorded once per bucket and replayed.
+
+    `one_column`: the verify pass's one-column calls (plain steps), compiled from a code object of their own. In one
+    code object dynamo checks the guards of the graph used last first, and a wider graph's guards reject a
+    one-column call only at their last check (the width's, after every parameter's): the first plain step after a
+    wider round paid a whole failed check (0.5 ms a call on the quickstart's 12-layer target on a CPU, more on a
+    deeper model; docs/results.md 2026-12-07). None: every call to `function`."""
 
     function: Callable
     fixed_shapes: bool
     kind: str = "verify"
     threads: set[threading.Thread] = field(default_factory=set)  # the threads themselves: an ident may be reused
+    one_column: Callable | None = None
 
     def __call__(self, **kwargs):
         self.threads.add(threading.current_thread())
         mark_dynamic_inputs(kwargs)
+        if self.one_column is not None and kwargs["input_ids"].shape[1] == 1:
+            return self.one_column(**kwargs)
         return self.function(**kwargs)
 
 
@@ -237,17 +246,19 @@ def mark_dynamic_inputs(kwargs: dict) -> None:
 def compiled_forward(model, kind: str = "verify", fixed: bool | None = None, compile: bool = True) -> CompiledForward:
     """`model.forward` for pass `kind`, compiled: CUDA graphs ("reduce-overhead") with fixed shapes on CUDA,
     inductor elsewhere with its wrapper code in C++ (`cpp_wrapper`: the kernels are the same, the per-call Python
-    that launches them is gone). fixed: fixed shapes (None: on CUDA); compile=False: the eager forward with the
+    that launches them is gone); the verify pass's one-column calls from a function of their own
+    (`CompiledForward.one_column`). fixed: fixed shapes (None: on CUDA); compile=False: the eager forward with the
     compiled path's shapes (what CPU tests check the CUDA path's layouts with)."""
     if kind not in PASS_KINDS:
         raise RuntimeError(f"No pass kind {kind!r}; the kinds are {PASS_KINDS}")
     cuda = model.device.type == "cuda"
     fixed = fixed_by_default(model.device) if fixed is None else fixed
     function = pass_function(model, kind)
-    if compile:
-        options = {"mode": "reduce-overhead"} if cuda else {"options": {"cpp_wrapper": True}}
-        function = torch.compile(function, **options)
-    return CompiledForward(function, fixed, kind)
+    if not compile:
+        return CompiledForward(function, fixed, kind)
+    options = {"mode": "reduce-overhead"} if cuda else {"options": {"cpp_wrapper": True}}
+    one_column = torch.compile(pass_function(model, "step"), **options) if kind == "verify" else None
+    return CompiledForward(torch.compile(function, **options), fixed, kind, one_column=one_column)
 
 
 class CompiledPasses:
