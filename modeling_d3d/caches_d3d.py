@@ -1,5 +1,5 @@
-"""Preallocated KV caches for the engine: one key and one value buffer for every layer, rows packed in slots
-`0..rows-1`, per-row lengths.
+"""Preallocated KV caches for the engine: one key and one value tensor, each holding every layer, rows packed in
+slots `0..rows-1`, per-row lengths.
 
 A pass writes each row's new keys and values at the cache columns the caller chooses (`write_index`), and attends
 over the first `kv_length` columns of every row, under a mask the caller builds (`masking_d3d.interval_mask`). A
