@@ -1,7 +1,8 @@
 """D3D drafter model code. Flat files with relative imports only: the folder ships to the Hub as remote code.
 
 Layers, bottom up: `configuration_d3d`, `masking_d3d`, `network_d3d` (weights and forward passes); `caches_d3d`,
-`shapes_d3d` (the compiled-shape policy), `passes_d3d` (one forward over cache rows: verify, prefill), `threads_d3d`
+`shapes_d3d` (the compiled-shape policy), `guards_d3d` (what compiled passes check of their model), `passes_d3d` (one
+forward over cache rows: verify, prefill), `threads_d3d`
 (worker threads' modes, CPU worker pools), `acceptance_d3d` (logits to tokens: processing, drafts, acceptance);
 `sources_d3d` (the source interface, `BlockSource`), `successor_d3d` (`SuccessorSource`); `engine_d3d` (the one loop); `settings_d3d`
 (generate settings -> `RowSettings`); `inputs_d3d` (the front doors' prompt check); front doors: `generation_d3d` (`custom_generate`), `assistant_d3d` (`assistant_model=`),

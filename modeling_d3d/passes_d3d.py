@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .caches_d3d import CachePool, StaticKVCache
+from .guards_d3d import GUARD_FILTER, model_fingerprint
 from .masking_d3d import interval_mask
 from .shapes_d3d import attended_columns, fixed_by_default
 from .streams_d3d import move, upload
@@ -247,8 +248,9 @@ def compiled_forward(model, kind: str = "verify", fixed: bool | None = None, com
     """`model.forward` for pass `kind`, compiled: CUDA graphs ("reduce-overhead") with fixed shapes on CUDA,
     inductor elsewhere with its wrapper code in C++ (`cpp_wrapper`: the kernels are the same, the per-call Python
     that launches them is gone); the verify pass's one-column calls from a function of their own
-    (`CompiledForward.one_column`). fixed: fixed shapes (None: on CUDA); compile=False: the eager forward with the
-    compiled path's shapes (what CPU tests check the CUDA path's layouts with)."""
+    (`CompiledForward.one_column`); without dynamo's guards on the model (`guards_d3d`: `CompiledPasses` checks the
+    model instead). fixed: fixed shapes (None: on CUDA); compile=False: the eager forward with the compiled path's
+    shapes (what CPU tests check the CUDA path's layouts with)."""
     if kind not in PASS_KINDS:
         raise RuntimeError(f"No pass kind {kind!r}; the kinds are {PASS_KINDS}")
     cuda = model.device.type == "cuda"
@@ -256,27 +258,41 @@ def compiled_forward(model, kind: str = "verify", fixed: bool | None = None, com
     function = pass_function(model, kind)
     if not compile:
         return CompiledForward(function, fixed, kind)
-    options = {"mode": "reduce-overhead"} if cuda else {"options": {"cpp_wrapper": True}}
-    one_column = torch.compile(pass_function(model, "step"), **options) if kind == "verify" else None
-    return CompiledForward(torch.compile(function, **options), fixed, kind, one_column=one_column)
+
+    def compiled(pass_forward: Callable) -> Callable:  # "reduce-overhead" is inductor's `triton.cudagraphs`; a mode
+        # and options cannot be given together, and torch.compile takes `guard_filter_fn` out of the dict it is given
+        options = {"triton.cudagraphs": True} if cuda else {"cpp_wrapper": True}
+        return torch.compile(pass_forward, options=options | ({"guard_filter_fn": GUARD_FILTER} if GUARD_FILTER else {}))
+
+    one_column = compiled(pass_function(model, "step")) if kind == "verify" else None
+    return CompiledForward(compiled(function), fixed, kind, one_column=one_column)
 
 
 class CompiledPasses:
     """What a compiled model keeps across `generate` calls, so nothing compiles or records again: one
     `CompiledForward` per pass kind and the caches its graphs captured (`CachePool`, keyed by slots and size).
-    Held by the model (`compiled_passes`); released with it or by `release_compiled_passes(model)`."""
+    Held by the model (`compiled_passes`); released with it or by `release_compiled_passes(model)`. Its compiled
+    forwards skip dynamo's guards on the model: `forward` compiles them anew when the model changed since
+    (`guards_d3d.model_fingerprint`; fingerprint: the model's when they were compiled)."""
 
     def __init__(self, model, fixed: bool | None = None, compile: bool = True):
         self.model, self.fixed, self.compile = model, fixed, compile
         self.forwards: dict[str, CompiledForward] = {}
         self.caches = CachePool()
         self._worker: ThreadPoolExecutor | None = None
+        self.fingerprint = model_fingerprint(model) if compile else None
 
     @property
     def fixed_shapes(self) -> bool:
         return fixed_by_default(self.model.device) if self.fixed is None else self.fixed
 
     def forward(self, kind: str) -> CompiledForward:
+        """The forward of pass `kind` (compiled on first use, and again after the model changed: `guards_d3d`)."""
+        if self.compile:
+            fingerprint = model_fingerprint(self.model)
+            if fingerprint != self.fingerprint:
+                self.forwards.clear()
+                self.fingerprint = fingerprint
         if kind not in self.forwards:
             self.forwards[kind] = compiled_forward(self.model, kind, self.fixed, self.compile)
         return self.forwards[kind]

@@ -253,6 +253,38 @@ def test_a_compiled_pass_takes_the_cache_as_two_tensors_whatever_the_models_dept
         torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
 
 
+def test_compiled_passes_hold_no_guard_on_the_model_and_compile_again_when_it_changes():
+    """Compiled passes skip dynamo's guards on the model (`guards_d3d`): the verify pass's graph holds none. In their
+    place `CompiledPasses` compares the model with the one it compiled for when an engine is built: a second call
+    reuses the compiled forward; after each change of the model (a forward hook added, every layer's activation
+    swapped, a norm's epsilon changed) the next call compiles anew and stays token-identical to `generate` (each of
+    them, without the check, runs the stale graph: other tokens)."""
+    torch._dynamo.reset()
+    target = tiny_target(8, vocab_size=64)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(8))
+    settings = dict(max_new_tokens=6, do_sample=False)
+    try:
+        forwards = []
+        for change in (None, None, "hook", "activation", "epsilon"):
+            if change == "hook":
+                target.model.norm.register_forward_hook(lambda module, args, output: -output)
+            elif change == "activation":
+                for layer in target.model.layers:
+                    layer.mlp.act_fn = torch.nn.Tanh()
+            elif change == "epsilon":
+                target.model.layers[0].input_layernorm.variance_epsilon = 10.0
+            output = target.generate(ids, custom_generate=speculative_generate, drafter=None, lookup=False,
+                                     compile=True, **settings)
+            assert torch.equal(output, target.generate(ids, **settings)), change
+            forwards.append(compiled_passes(target).forwards["verify"])
+        assert forwards[1] is forwards[0] and len({id(forward) for forward in forwards[1:]}) == 4
+        code = forwards[0].one_column._torchdynamo_orig_callable.__code__
+        guards = [str(entry.guard_manager) for entry in torch._dynamo.eval_frame._debug_get_cache_entry_list(code)]
+        assert len(guards) == 1 and "past_key_values" in guards[0] and "L['model']" not in guards[0]
+    finally:
+        release_compiled_passes(target)
+
+
 def test_a_new_cache_size_after_plain_steps_and_blocks_compiles_nothing():
     """`compile=True` (inductor on a CPU), synchronous, every kind of round by turns (`policies.EveryChoice` with a
     lookup: the verify pass one column wide, then `B`, then a tree): after a warm-up of one row and of two, a call whose
