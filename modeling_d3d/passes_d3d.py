@@ -262,7 +262,9 @@ def compiled_forward(model, kind: str = "verify", fixed: bool | None = None, com
     def compiled(pass_forward: Callable) -> Callable:  # "reduce-overhead" is inductor's `triton.cudagraphs`; a mode
         # and options cannot be given together, and torch.compile takes `guard_filter_fn` out of the dict it is given
         options = {"triton.cudagraphs": True} if cuda else {"cpp_wrapper": True}
-        return torch.compile(pass_forward, options=options | ({"guard_filter_fn": GUARD_FILTER} if GUARD_FILTER else {}))
+        if GUARD_FILTER is not None:
+            options["guard_filter_fn"] = GUARD_FILTER
+        return torch.compile(pass_forward, options=options)
 
     one_column = compiled(pass_function(model, "step")) if kind == "verify" else None
     return CompiledForward(compiled(function), fixed, kind, one_column=one_column)
