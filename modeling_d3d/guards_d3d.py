@@ -21,6 +21,7 @@ PLAIN = frozenset((bool, int, float, str))  # a module's attributes compared by 
 # buffer, submodule and forward-hook dicts, its `config` and a `forward` set on the instance are compared by identity,
 # the rest not at all: what a caller keeps on a model (a round record, None before the first call) must not compile
 # anything again
+
 # dynamo's filter dropping every guard on the model (torch >= 2.8; None before: every guard is kept)
 GUARD_FILTER: Callable | None = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
 

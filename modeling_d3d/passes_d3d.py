@@ -282,7 +282,7 @@ class CompiledPasses:
         self.forwards: dict[str, CompiledForward] = {}
         self.caches = CachePool()
         self._worker: ThreadPoolExecutor | None = None
-        self.fingerprint = model_fingerprint(model) if compile else None
+        self.fingerprint: tuple | None = None  # set by the first `forward`
 
     @property
     def fixed_shapes(self) -> bool:
