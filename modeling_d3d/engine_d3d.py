@@ -280,6 +280,8 @@ class SpeculativeEngine:
         self.device = target.get_input_embeddings().weight.device
         self.passes = passes if passes is not None or not compile else compiled_passes(target)
         self.forward = self.passes.forward("verify") if self.passes is not None else None
+        dynamic = self.passes is not None and not self.passes.fixed_shapes  # a prefill compiled for every length
+        self.prefill_forward = self.passes.forward("prefill") if dynamic else None
         shape = (target.config, max_rows, max_length + (tree_width(self.width) if self.trees else self.width),
                  self.device, target.dtype)
         self.cache = self.passes.caches.take(*shape) if self.passes is not None else StaticKVCache(*shape)
@@ -339,7 +341,8 @@ class SpeculativeEngine:
             raise ValueError(f"The engine holds {self.max_rows} rows already{asked}")
         rows = sorted((self._new_row(*request) for request in requests), key=lambda row: len(row.prompt))
         start, first = time.perf_counter(), len(self.rows)
-        logits = prefill(self.target, self.cache, first, [row.prompt for row in rows], last_logits=True)
+        logits = prefill(self.target, self.cache, first, [row.prompt for row in rows], last_logits=True,
+                         forward=self.prefill_forward)
         firsts = self._accept(None, logits, [NOTHING] * len(rows), rows=rows, first_slot=first)
         for each in (self.source, self.lookup):
             if each is not None:

@@ -167,8 +167,8 @@ def run_pass(model, cache: StaticKVCache, layout: PassLayout, logits_to_keep: in
     mask = (None if forward is None and layout.sees_every_column(kv_length)
             else interval_mask(model.config, prefix_end, own_start, own_end, kv_length, model.dtype))
     keep = logits_to_keep if isinstance(logits_to_keep, int) else move(logits_to_keep, device)
-    if forward is not None:  # the kept columns as a tensor: its length is a dynamic dimension, an int a guard
-        width = ids.shape[1]
+    if forward is not None and isinstance(keep, int):  # the kept columns as a tensor: its length is a dynamic
+        width = ids.shape[1]  # dimension, an int a guard
         keep = torch.arange(width - logits_to_keep, width, device=device)
     output = (forward or model)(
         input_ids=ids, position_ids=positions, attention_mask={"full_attention": mask}, past_key_values=cache,
@@ -180,7 +180,7 @@ def run_pass(model, cache: StaticKVCache, layout: PassLayout, logits_to_keep: in
     return logits.clone() if forward is not None else logits
 
 
-PASS_KINDS = ("verify", "block", "successor")
+PASS_KINDS = ("verify", "block", "successor", "prefill")  # prefill: a target's, with dynamic shapes (`prefill`)
 
 
 def _forward_of(model) -> Callable:
@@ -346,9 +346,9 @@ GROUP_COLUMNS = 8192  # and while its columns (rows x longest) stay within this 
 
 
 def prefill(model, cache: StaticKVCache, first_slot: int, token_rows: list[list[int]],
-            starts: int | list[int] = 0, last_logits: bool = False) -> torch.Tensor | None:
+            starts: int | list[int] = 0, last_logits: bool = False, forward=None) -> torch.Tensor | None:
     """Commit `token_rows[i]` to cache row `first_slot + i`, whose first `starts[i]` columns hold its first tokens
-    already (an int: every row's start), in one eager pass per group of consecutive rows (`prefill_groups`, by what
+    already (an int: every row's start), in one pass per group of consecutive rows (`prefill_groups`, by what
     each row has left), each row's part as wide as its group's widest: a row with less left re-reads tokens before its
     start (the same keys and values again) where it has them, else is right-padded, so a padding column writes only
     past a row's end within its group's width, which nothing has committed and no real column sees (the next pass
@@ -356,7 +356,14 @@ def prefill(model, cache: StaticKVCache, first_slot: int, token_rows: list[list[
     column). `cache.committed[first_slot + i]` becomes `len(token_rows[i])`.
     last_logits: return the logits `(rows, 1, vocab)` float32 of each row's last token (every row must have one left),
     whose keys and values are written but not committed (`len(token_rows[i]) - 1`): that token is the anchor of the
-    round the logits decide, as a verify pass writes its anchor before the round keeps it."""
+    round the logits decide, as a verify pass writes its anchor before the round keeps it.
+    forward: the model's compiled prefill pass (a `CompiledForward` of kind "prefill", whose graphs are apart from
+    the decoding passes') to prefill a group of rows from cache row 0 through, where its shapes are dynamic (its
+    graphs serve every prompt length: on a CPU a compiled 140-token prefill of the quickstart's target takes 11 ms
+    against 19 ms eager, docs/results.md 2026-12-07); eager where it is None, has fixed shapes (a CUDA graph would be
+    recorded per prompt length) or for groups from other rows (the row a pass starts at is a constant of its graphs:
+    each would compile once more)."""
+    forward = None if fixed_shapes(forward) else forward
     starts = [starts] * len(token_rows) if isinstance(starts, int) else starts
     if any(not 0 <= start <= len(tokens) for tokens, start in zip(token_rows, starts)):
         raise RuntimeError("A prefill from past a row's tokens (its cache would hold more than its context)")
@@ -374,7 +381,8 @@ def prefill(model, cache: StaticKVCache, first_slot: int, token_rows: list[list[
             columns = sorted({len(tail) - 1 for tail in tails})  # each row's last token (right-padded rows: earlier)
             keep = torch.tensor(columns) if last_logits and columns != [width - 1] else 1  # an int where it can be
             logits = run_pass(model, cache, PassLayout.causal(ids, torch.tensor(group_starts)), keep,
-                              first_row=first_slot + first, float32=False)
+                              first_row=first_slot + first, forward=forward if first_slot + first == 0 else None,
+                              float32=False)
             if last_logits:
                 kept += [logits[i, columns.index(len(tail) - 1)] for i, tail in enumerate(tails)]
     for i, tokens in enumerate(token_rows):

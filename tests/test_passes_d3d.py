@@ -12,6 +12,7 @@ from conftest import left_pad, tiny_target
 from modeling_d3d import D3DForBlockDiffusion, RoundRecord, passes_d3d
 from modeling_d3d.acceptance_d3d import RowSampling
 from modeling_d3d.caches_d3d import StaticKVCache
+from modeling_d3d.engine_d3d import compiled_graphs
 from modeling_d3d.generation_d3d import speculative_generate
 from modeling_d3d.passes_d3d import (PASS_KINDS, CompiledPasses, PassLayout, compiled_passes, prefill, prefill_groups,
                                      release_compiled_passes, run_pass)
@@ -170,9 +171,10 @@ def test_a_fixed_shape_successor_pass_has_one_width_whatever_the_drafts():
 
 def test_after_the_warm_up_no_prompt_length_or_batch_size_compiles_again():
     """`compile=True` (inductor on a CPU), asynchronous: after the documented warm-up (a call of one row and a call
-    of several), calls with new prompt lengths and another batch size compile nothing (the round record counts
-    compilations), stay token-identical to `generate`, call the verify and block passes from the caller's thread and
-    the successor pass from workers that end with their call."""
+    of several), calls with new prompt lengths and another batch size compile nothing (neither in their rounds, which
+    the round record counts, nor in their prefill, which runs through compiled graphs of its own), stay
+    token-identical to `generate`, call the verify and block passes from the caller's thread and the successor pass
+    from workers that end with their call."""
     torch._dynamo.reset()
     target, drafter = pair(1)
     try:
@@ -182,11 +184,11 @@ def test_after_the_warm_up_no_prompt_length_or_batch_size_compiles_again():
         for lengths, seed in warm_up + later:
             ids, mask = prompts(lengths, seed)
             settings = ragged_settings(target, ids, mask, 12)
-            record = RoundRecord()
+            record, before = RoundRecord(), compiled_graphs()
             output = decode(target, drafter, ids, mask, settings, True, record)
+            counts.append((record.compilations, compiled_graphs() - before))
             assert torch.equal(output, target.generate(ids, attention_mask=mask, **settings)), lengths
-            counts.append(record.compilations)
-        assert counts[0] > 0 and counts[len(warm_up):] == [0] * len(later), counts
+        assert counts[0][0] > 0 and counts[len(warm_up):] == [(0, 0)] * len(later), counts
         main = threading.current_thread()
         forwards = {**compiled_passes(target).forwards, **compiled_passes(drafter).forwards}
         assert sorted(forwards) == sorted(PASS_KINDS)
@@ -221,6 +223,43 @@ def test_compiled_passes_with_dynamic_shapes_attend_over_the_columns_in_use_only
             logits.append(run_pass(target, cache, step, 4, forward=pass_forward))
         assert logits[1].isfinite().all(), start
         torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_a_prefill_from_the_first_row_runs_through_the_compiled_pass_and_others_eagerly():
+    """`prefill` with a compiled pass of dynamic shapes runs a group of rows from cache row 0 through it (its keys,
+    values and last logits the eager prefill's), a group from another row eagerly (the rows a pass starts at are a
+    constant of its graphs), and a pass with fixed shapes never (a CUDA graph would be recorded per prompt length)."""
+    torch._dynamo.reset()
+    target, _ = pair(6)
+    generator = torch.Generator().manual_seed(6)
+    contexts = [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in (20, 23, 9)]
+    forward = CompiledPasses(target, fixed=False).forward("prefill")
+    fixed = passes_d3d.compiled_forward(target, "prefill", fixed=True, compile=False)
+
+    def through(pass_forward, cache, first_slot, rows):
+        """`prefill` of `rows` from `first_slot` with `pass_forward`: its last logits, the threads that called it."""
+        if pass_forward is not None:
+            pass_forward.threads.clear()
+        output = prefill(target, cache, first_slot, rows, last_logits=True, forward=pass_forward)
+        return output, set(pass_forward.threads) if pass_forward is not None else set()
+
+    caches, logits, callers = [], [], []
+    for pass_forward in (None, forward, fixed):
+        cache = StaticKVCache(target.config, 3, 64, "cpu", target.dtype)
+        first, in_first = through(pass_forward, cache, 0, contexts[:2])
+        last, in_last = through(pass_forward, cache, 2, contexts[2:])
+        caches.append(cache)
+        logits.append(torch.cat([first, last]))
+        callers.append((in_first, in_last))
+    main = {threading.current_thread()}
+    assert callers[1:] == [(main, set()), (set(), set())], callers  # rows 0-1 compiled, row 2 eager; fixed: never
+    for cache, output in zip(caches[1:], logits[1:]):
+        torch.testing.assert_close(output, logits[0], rtol=1e-4, atol=1e-4)
+        assert cache.committed == caches[0].committed == (19, 22, 8)
+        for buffer, reference in zip(cache.keys + cache.values, caches[0].keys + caches[0].values):
+            for slot, length in enumerate(cache.committed):
+                torch.testing.assert_close(buffer[slot, :, :length], reference[slot, :, :length], rtol=1e-4,
+                                           atol=1e-4)
 
 
 def test_a_compiled_pass_takes_the_cache_as_two_tensors_whatever_the_models_depth():
