@@ -51,6 +51,17 @@ class RowProcessors(LogitsProcessorList):
     def __init__(self, processors=()):
         super().__init__(processors)
         self._takes: dict[int, tuple[object, bool]] = {}  # id -> (processor, takes kwargs); the list may change
+        self._after_rules: tuple[tuple, "RowProcessors"] | None = None  # (the list it was made of, the list)
+
+    def acting_from(self, length: int) -> "RowProcessors":
+        """The processors that may change the scores of a context of `length` tokens or more: this list, or once
+        every length rule in it (`identity_from`) is past `length`, the list without them (made once)."""
+        if any((start := identity_from(processor)) is not None and start > length for processor in self):
+            return self
+        processors = tuple(self)
+        if self._after_rules is None or self._after_rules[0] != processors:
+            self._after_rules = processors, RowProcessors(p for p in processors if identity_from(p) is None)
+        return self._after_rules[1]
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
         split = self._top_k_split()
@@ -112,6 +123,17 @@ def top_k_candidates(warper, scores: torch.Tensor) -> tuple[torch.Tensor, torch.
     return values[..., :k], indices[..., :k]
 
 
+def identity_from(processor) -> int | None:
+    """The context length from which `processor` leaves every score as it is, where it reads the context through
+    its length only: transformers' `MinLengthLogitsProcessor` and `MinNewTokensLengthLogitsProcessor` (the classes
+    themselves), which mask the EOS tokens while the context is shorter; None for any other processor."""
+    if type(processor) is logits_process.MinLengthLogitsProcessor:
+        return processor.min_length
+    if type(processor) is logits_process.MinNewTokensLengthLogitsProcessor:
+        return processor.prompt_length_to_skip + processor.min_new_tokens
+    return None
+
+
 def context_free(logits_processor: LogitsProcessorList | None) -> bool:
     """Whether every processor ignores the token ids (temperature, top-k, top-p, ...): then one batched call over
     every position gives what per-position calls with their own contexts give."""
@@ -131,10 +153,15 @@ def ends_row_only(error: BaseException) -> bool:
     return not isinstance(error, KeyboardInterrupt)
 
 
-def process(logits_processor: LogitsProcessorList | None, contexts: torch.Tensor | list, logits: torch.Tensor,
+def process(logits_processor: LogitsProcessorList | None, contexts: torch.Tensor | list | None, logits: torch.Tensor,
             growing: torch.Tensor | None = None) -> torch.Tensor:
     """Apply one row's processors to its logits `(n, vocab)`, position j with its own context: `contexts` (the row's
-    tokens, 1-D) followed by `growing[:j]` when given (the drafts before j), else `contexts` alone."""
+    tokens, 1-D) followed by `growing[:j]` when given (the drafts before j), else `contexts` alone. Processors that
+    ignore the context are applied to every position in one call, also once the length rules among them
+    (`identity_from`: `min_new_tokens`, `min_length`) are past the shortest context (a `RowProcessors`' list, else
+    position by position: a verified column cost 0.2 ms on a CPU with `min_new_tokens` set)."""
+    if isinstance(logits_processor, RowProcessors) and contexts is not None:  # None: context-free processors
+        logits_processor = logits_processor.acting_from(len(contexts))
     if not logits_processor:
         return logits
     if context_free(logits_processor):

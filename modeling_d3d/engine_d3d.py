@@ -582,8 +582,8 @@ class SpeculativeEngine:
         verifies; the rest, padding, left as they are: no processor sees a context it did not verify), position j
         with the row's tokens and the drafts before j as context; a row whose processing fails is put in `failed`
         (its logits are left as they are)."""
-        if not any(row.settings.logits_processor for row in rows):
-            return logits
+        if not any(row.settings.logits_processor.acting_from(len(row.tokens)) for row in rows):
+            return logits  # no processor, or only length rules past their length (`acceptance_d3d.identity_from`)
         processed = []
         for r, row in enumerate(rows):
             count = columns[r]

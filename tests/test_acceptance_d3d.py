@@ -7,11 +7,11 @@ from collections import Counter
 
 import pytest
 import torch
-from transformers import (LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
-                          TopPLogitsWarper)
+from transformers import (LogitsProcessorList, MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor,
+                          MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from distribution import chi_square_p_value
-from modeling_d3d.acceptance_d3d import RowProcessors, block_verify, draw, rejection_sample
+from modeling_d3d.acceptance_d3d import RowProcessors, block_verify, draw, process, rejection_sample
 
 VOCAB, DRAFTS, LENGTH, SAMPLES = 3, 3, 3, 6000
 
@@ -144,6 +144,40 @@ def test_warpers_after_top_k_see_only_its_tokens_and_give_transformers_scores():
     tied[3, tied[3].topk(2).indices] = tied[3].max()
     processors(None, tied)
     assert top_p.widths == [20, 4096, 4096]  # transformers' list, then the tie
+
+
+class CallsCounted(TemperatureLogitsWarper):
+    """A temperature warper that counts its calls (a context-free processor)."""
+
+    def __init__(self, temperature: float):
+        super().__init__(temperature)
+        self.calls = 0
+
+    def __call__(self, input_ids, scores):
+        self.calls += 1
+        return super().__call__(input_ids, scores)
+
+
+@pytest.mark.parametrize("rule", ["min_new_tokens", "min_length"])
+def test_a_length_rule_past_its_length_leaves_the_rest_batched_and_scores_as_transformers_gives(rule):
+    """`process` over a row's verified columns: while `min_new_tokens` (or `min_length`) masks EOS at some of them,
+    every position with its own context, as transformers' list gives it; once the rule is past the shortest context,
+    its other processors (context-free) in one call for every position (a call per verified column cost 0.2 ms on
+    a CPU), with the same scores."""
+    eos, prompt, vocab = 3, 5, 40
+    rules = {"min_new_tokens": MinNewTokensLengthLogitsProcessor(prompt, 4, eos),
+             "min_length": MinLengthLogitsProcessor(prompt + 4, eos)}
+    scores = torch.randn(6, vocab, generator=torch.Generator().manual_seed(0))
+    drafts = torch.arange(10, 16)
+    for length, calls in ((prompt + 2, 6), (prompt + 4, 1), (prompt + 9, 1)):  # EOS masked at 2 columns, 0, 0
+        counted = CallsCounted(0.7)
+        processors = RowProcessors([rules[rule], counted])
+        context = list(range(length))
+        output = process(processors, context, scores, drafts)
+        expected = torch.cat([LogitsProcessorList([rules[rule], TemperatureLogitsWarper(0.7)])(
+            torch.tensor([context + drafts[:j].tolist()]), scores[j : j + 1].clone()) for j in range(6)])
+        assert torch.equal(output, expected) and counted.calls == calls, (length, counted.calls)
+        assert output[:, eos].isinf().sum() == max(prompt + 4 - length, 0)
 
 
 def test_draws_follow_each_rows_weights_with_its_own_generator():
