@@ -279,9 +279,11 @@ class SpeculativeEngine:
         self.max_rows, self.max_length = max_rows, max_length
         self.device = target.get_input_embeddings().weight.device
         self.passes = passes if passes is not None or not compile else compiled_passes(target)
-        self.forward = self.passes.forward("verify") if self.passes is not None else None
-        dynamic = self.passes is not None and not self.passes.fixed_shapes  # a prefill compiled for every length
-        self.prefill_forward = self.passes.forward("prefill") if dynamic else None
+        self.forward = self.prefill_forward = None
+        if self.passes is not None:  # with dynamic shapes, a prefill compiled for every length (`prefill`)
+            kinds = ("verify",) if self.passes.fixed_shapes else ("verify", "prefill")
+            forwards = self.passes.forwards_of(kinds)
+            self.forward, self.prefill_forward = forwards[0], forwards[1] if len(forwards) > 1 else None
         shape = (target.config, max_rows, max_length + (tree_width(self.width) if self.trees else self.width),
                  self.device, target.dtype)
         self.cache = self.passes.caches.take(*shape) if self.passes is not None else StaticKVCache(*shape)

@@ -290,14 +290,19 @@ class CompiledPasses:
 
     def forward(self, kind: str) -> CompiledForward:
         """The forward of pass `kind` (compiled on first use, and again after the model changed: `guards_d3d`)."""
+        return self.forwards_of((kind,))[0]
+
+    def forwards_of(self, kinds: tuple[str, ...]) -> list[CompiledForward]:
+        """`forward` of each of `kinds`, the model's fingerprint taken once for all of them."""
         if self.compile:
             fingerprint = model_fingerprint(self.model)
             if fingerprint != self.fingerprint:
                 self.forwards.clear()
                 self.fingerprint = fingerprint
-        if kind not in self.forwards:
-            self.forwards[kind] = compiled_forward(self.model, kind, self.fixed, self.compile)
-        return self.forwards[kind]
+        for kind in kinds:
+            if kind not in self.forwards:
+                self.forwards[kind] = compiled_forward(self.model, kind, self.fixed, self.compile)
+        return [self.forwards[kind] for kind in kinds]
 
     def worker(self) -> ThreadPoolExecutor | None:
         """With fixed shapes (CUDA graphs, whose trees keep per-thread state): the one thread background passes (the
