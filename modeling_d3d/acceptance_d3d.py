@@ -54,9 +54,11 @@ class RowProcessors(LogitsProcessorList):
         self._after_rules: tuple[tuple, "RowProcessors"] | None = None  # (the list it was made of, the list)
 
     def acting_from(self, length: int) -> "RowProcessors":
-        """The processors that may change the scores of a context of `length` tokens or more: this list, or once
-        every length rule in it (`identity_from`) is past `length`, the list without them (made once)."""
-        if any((start := identity_from(processor)) is not None and start > length for processor in self):
+        """The processors that may change the scores of a context of `length` tokens or more: this list (also when it
+        holds no length rule), or once every length rule in it (`identity_from`) is past `length`, the list without
+        them (made once)."""
+        starts = [start for start in map(identity_from, self) if start is not None]
+        if not starts or max(starts) > length:
             return self
         processors = tuple(self)
         if self._after_rules is None or self._after_rules[0] != processors:

@@ -146,18 +146,6 @@ def test_warpers_after_top_k_see_only_its_tokens_and_give_transformers_scores():
     assert top_p.widths == [20, 4096, 4096]  # transformers' list, then the tie
 
 
-class CallsCounted(TemperatureLogitsWarper):
-    """A temperature warper that counts its calls (a context-free processor)."""
-
-    def __init__(self, temperature: float):
-        super().__init__(temperature)
-        self.calls = 0
-
-    def __call__(self, input_ids, scores):
-        self.calls += 1
-        return super().__call__(input_ids, scores)
-
-
 @pytest.mark.parametrize("rule", ["min_new_tokens", "min_length"])
 def test_a_length_rule_past_its_length_leaves_the_rest_batched_and_scores_as_transformers_gives(rule):
     """`process` over a row's verified columns: while `min_new_tokens` (or `min_length`) masks EOS at some of them,
@@ -170,13 +158,13 @@ def test_a_length_rule_past_its_length_leaves_the_rest_batched_and_scores_as_tra
     scores = torch.randn(6, vocab, generator=torch.Generator().manual_seed(0))
     drafts = torch.arange(10, 16)
     for length, calls in ((prompt + 2, 6), (prompt + 4, 1), (prompt + 9, 1)):  # EOS masked at 2 columns, 0, 0
-        counted = CallsCounted(0.7)
-        processors = RowProcessors([rules[rule], counted])
+        top_p = WidthsSeen(1.0)  # a context-free processor that records its calls (and masks nothing)
+        processors = RowProcessors([rules[rule], top_p])
         context = list(range(length))
         output = process(processors, context, scores, drafts)
-        expected = torch.cat([LogitsProcessorList([rules[rule], TemperatureLogitsWarper(0.7)])(
+        expected = torch.cat([LogitsProcessorList([rules[rule], TopPLogitsWarper(1.0)])(
             torch.tensor([context + drafts[:j].tolist()]), scores[j : j + 1].clone()) for j in range(6)])
-        assert torch.equal(output, expected) and counted.calls == calls, (length, counted.calls)
+        assert torch.equal(output, expected) and len(top_p.widths) == calls, (length, top_p.widths)
         assert output[:, eos].isinf().sum() == max(prompt + 4 - length, 0)
 
 
